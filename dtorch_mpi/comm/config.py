@@ -1,0 +1,32 @@
+"""Communication settings: which collective path and which backend.
+
+``DTORCH_COMM_PATH``: ``auto`` (default: equal-size collectives when pieces are equal,
+variable-size ``v``/``w`` collectives when they are not), ``padded`` (always pad to equal
+sizes, the path NCCL needs; selectable on CPU so CI exercises it) or ``variable``.
+``DTORCH_GPU_BACKEND``: ``auto`` | ``nccl`` | ``cuda-aware-mpi`` | ``host-staging`` (GPU meshes).
+"""
+
+from __future__ import annotations
+
+import os
+
+PATHS = ("auto", "padded", "variable")
+GPU_BACKENDS = ("auto", "nccl", "cuda-aware-mpi", "host-staging")
+
+_path: str | None = None
+
+
+def comm_path() -> str:
+    global _path
+    if _path is None:
+        set_comm_path(os.environ.get("DTORCH_COMM_PATH", "auto"))
+    assert _path is not None
+    return _path
+
+
+def set_comm_path(path: str) -> None:
+    """Select the collective path for this process (all ranks must select the same)."""
+    global _path
+    if path not in PATHS:
+        raise ValueError(f"DTORCH_COMM_PATH={path!r} is not one of {', '.join(PATHS)}")
+    _path = path

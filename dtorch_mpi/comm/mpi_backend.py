@@ -1,0 +1,430 @@
+"""MPI backend: host buffers moved by mpi4py's buffer (upper-case) collectives.
+
+Pieces split along a tensor axis are described with derived datatypes (vectors, subarrays),
+so a gather along an inner axis or an all-to-all writes straight into its output with no
+re-layout temporaries. Unequal pieces use the ``v``/``w`` collectives, or, on the padded path
+(the one NCCL needs), equal-size collectives with padding added and removed here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ..dtypes import WIDENED, element_type, reduction_op, reduction_type
+from .config import comm_path
+from .counter import record
+from .group import Group
+from .layout import offsets, view3, with_dim
+from .work import Work, completed
+
+_TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
+_TYPE_CACHE_SIZE = 512
+
+
+def _cached_type(key: tuple[Any, ...], make: Callable[[], MPI.Datatype]) -> MPI.Datatype:
+    t = _TYPE_CACHE.get(key)
+    if t is None:
+        t = make()
+        t.Commit()
+        _TYPE_CACHE[key] = t
+        if len(_TYPE_CACHE) > _TYPE_CACHE_SIZE:
+            _, old = _TYPE_CACHE.popitem(last=False)
+            old.Free()  # MPI keeps it alive for any operation still using it
+    else:
+        _TYPE_CACHE.move_to_end(key)
+    return t
+
+
+def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> MPI.Datatype:
+    """``outer`` runs of ``block`` elements, ``stride`` elements apart, extent one ``block``."""
+
+    def make() -> MPI.Datatype:
+        vec = element_type(itemsize).Create_vector(outer, block, stride)
+        resized = vec.Create_resized(0, block * itemsize)
+        vec.Free()
+        return resized
+
+    return _cached_type(("vec", itemsize, outer, block, stride), make)
+
+
+def _subarray_type(
+    itemsize: int, shape: tuple[int, ...], subshape: tuple[int, ...], starts: tuple[int, ...]
+) -> MPI.Datatype:
+    return _cached_type(
+        ("sub", itemsize, shape, subshape, starts),
+        lambda: element_type(itemsize).Create_subarray(shape, subshape, starts),
+    )
+
+
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+class MPIBackend:
+    """Collectives over one mesh dim's communicator on NumPy buffers."""
+
+    name = "mpi"
+
+    # -- helpers -------------------------------------------------------------------------
+    @staticmethod
+    def _run(
+        async_op: bool,
+        blocking: Callable[[], None],
+        nonblocking: Callable[[], MPI.Request],
+        finish: Callable[[], Any],
+        keep: tuple[Any, ...],
+    ) -> Work:
+        if async_op:
+            return Work(nonblocking(), finish, keep)
+        blocking()
+        return Work(None, finish)
+
+    # -- all-gather ----------------------------------------------------------------------
+    def all_gather(
+        self,
+        group: Group,
+        send: np.ndarray,
+        out: np.ndarray,
+        axis: int,
+        sizes: Sequence[int],
+        async_op: bool = False,
+    ) -> Work:
+        """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
+        m, me = group.size, group.rank
+        if m == 1 or out.size == 0:
+            if m == 1:
+                out[...] = send
+            return completed(out)
+        send = _contiguous(send)
+        outer, length, inner = view3(out.shape, axis)
+        item = out.dtype.itemsize
+        etype = element_type(item)
+        offs = offsets(sizes)
+        padded = comm_path() == "padded"
+        even = len(set(sizes)) == 1
+        record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes,
+               padded and not even, async_op)
+        comm = group.comm
+        if even:
+            count = outer * sizes[0] * inner
+            if outer == 1:
+                rtype, rcount = etype, count
+            else:
+                rtype, rcount = _strided_block_type(item, outer, sizes[0] * inner, length * inner), 1
+            return self._run(
+                async_op,
+                lambda: comm.Allgather([send, count, etype], [out, rcount, rtype]),
+                lambda: comm.Iallgather([send, count, etype], [out, rcount, rtype]),
+                lambda: out, (send, out),
+            )
+        if padded:
+            mx = max(sizes)
+            pad_send = np.zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
+            pad_send[tuple(slice(0, n) for n in send.shape)] = send
+            pad_out = np.empty(with_dim(out.shape, axis, m * mx), dtype=out.dtype)
+            count = outer * mx * inner
+            rtype = etype if outer == 1 else _strided_block_type(item, outer, mx * inner, m * mx * inner)
+            rcount = count if outer == 1 else 1
+
+            def finish() -> np.ndarray:
+                src = pad_out.reshape(outer, m * mx, inner)
+                dst = out.reshape(outer, length, inner)
+                for i, (n, o) in enumerate(zip(sizes, offs)):
+                    dst[:, o : o + n, :] = src[:, i * mx : i * mx + n, :]
+                return out
+
+            return self._run(
+                async_op,
+                lambda: comm.Allgather([pad_send, count, etype], [pad_out, rcount, rtype]),
+                lambda: comm.Iallgather([pad_send, count, etype], [pad_out, rcount, rtype]),
+                finish, (pad_send, pad_out, out),
+            )
+        if outer == 1:
+            counts = [n * inner for n in sizes]
+            displs = [o * inner for o in offs]
+            spec = [out, (counts, displs), etype]
+            return self._run(
+                async_op,
+                lambda: comm.Allgatherv([send, send.size, etype], spec),
+                lambda: comm.Iallgatherv([send, send.size, etype], spec),
+                lambda: out, (send, out),
+            )
+        rtypes = [_strided_block_type(item, outer, n * inner, length * inner) if n else etype
+                  for n in sizes]
+        rcounts = [1 if n else 0 for n in sizes]
+        rdispls = [o * inner * item for o in offs]
+        sspec = [send, ([send.size] * m, [0] * m), [etype] * m]
+        rspec = [out, (rcounts, rdispls), rtypes]
+        return self._run(
+            async_op,
+            lambda: comm.Alltoallw(sspec, rspec),
+            lambda: comm.Ialltoallw(sspec, rspec),
+            lambda: out, (send, out, rtypes),
+        )
+
+    # -- all-to-all ----------------------------------------------------------------------
+    def all_to_all(
+        self,
+        group: Group,
+        send: np.ndarray,
+        out: np.ndarray,
+        split_axis: int,
+        split_sizes: Sequence[int],
+        concat_axis: int,
+        concat_sizes: Sequence[int],
+        async_op: bool = False,
+    ) -> Work:
+        """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
+        from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
+        m, me = group.size, group.rank
+        if m == 1:
+            out[...] = send
+            return completed(out)
+        send = _contiguous(send)
+        item = out.dtype.itemsize
+        etype = element_type(item)
+        s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
+        own_send = send.nbytes // max(send.shape[split_axis], 1) * split_sizes[me] if send.size else 0
+        own_recv = out.nbytes // max(out.shape[concat_axis], 1) * concat_sizes[me] if out.size else 0
+        padded = comm_path() == "padded"
+        record("all_to_all", group.mesh_dim, send.nbytes - own_send, out.nbytes - own_recv,
+               padded, async_op)
+        if send.size == 0 and out.size == 0:
+            return completed(out)
+        comm = group.comm
+        if padded:
+            send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
+            recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
+            width = _global_block(send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
+            pack = np.empty((m, width), dtype=out.dtype)
+            for j, (n, o) in enumerate(zip(split_sizes, s_offs)):
+                block = send[(slice(None),) * split_axis + (slice(o, o + n),)]
+                pack[j, : block.size] = block.reshape(-1)
+            unpack = np.empty((m, width), dtype=out.dtype)
+
+            def finish() -> np.ndarray:
+                for j, (n, o) in enumerate(zip(concat_sizes, c_offs)):
+                    shape = recv_blocks[j]
+                    size = int(np.prod(shape))
+                    out[(slice(None),) * concat_axis + (slice(o, o + n),)] = unpack[j, :size].reshape(shape)
+                return out
+
+            return self._run(
+                async_op,
+                lambda: comm.Alltoall([pack, width, etype], [unpack, width, etype]),
+                lambda: comm.Ialltoall([pack, width, etype], [unpack, width, etype]),
+                finish, (pack, unpack, out),
+            )
+        stypes, scounts, rtypes, rcounts = [], [], [], []
+        for n, o in zip(split_sizes, s_offs):
+            sub = with_dim(send.shape, split_axis, n)
+            if send.size and n:
+                starts = with_dim((0,) * send.ndim, split_axis, o)
+                stypes.append(_subarray_type(item, send.shape, sub, starts))
+                scounts.append(1)
+            else:
+                stypes.append(etype)
+                scounts.append(0)
+        for n, o in zip(concat_sizes, c_offs):
+            sub = with_dim(out.shape, concat_axis, n)
+            if out.size and n:
+                starts = with_dim((0,) * out.ndim, concat_axis, o)
+                rtypes.append(_subarray_type(item, out.shape, sub, starts))
+                rcounts.append(1)
+            else:
+                rtypes.append(etype)
+                rcounts.append(0)
+        sspec = [send, (scounts, [0] * m), stypes]
+        rspec = [out, (rcounts, [0] * m), rtypes]
+        return self._run(
+            async_op,
+            lambda: comm.Alltoallw(sspec, rspec),
+            lambda: comm.Ialltoallw(sspec, rspec),
+            lambda: out, (send, out, stypes, rtypes),
+        )
+
+    # -- reductions ----------------------------------------------------------------------
+    def all_reduce(
+        self, group: Group, send: np.ndarray, out: np.ndarray, reduce_op: str,
+        async_op: bool = False,
+    ) -> Work:
+        """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
+        m = group.size
+        if m == 1 or out.size == 0:
+            if m == 1:
+                out[...] = send
+            return completed(out)
+        record("all_reduce", group.mesh_dim, send.nbytes, out.nbytes, False, async_op)
+        wide = WIDENED.get(out.dtype)
+        src = np.ascontiguousarray(send, dtype=wide or out.dtype)
+        dst = out if wide is None else np.empty(out.shape, dtype=wide)
+        mtype, op = reduction_type(dst.dtype), reduction_op(dst.dtype, reduce_op)
+        comm = group.comm
+
+        def finish() -> np.ndarray:
+            if reduce_op == "avg":
+                _divide(dst, m)
+            if dst is not out:
+                out[...] = dst
+            return out
+
+        return self._run(
+            async_op,
+            lambda: comm.Allreduce([src, mtype], [dst, mtype], op=op),
+            lambda: comm.Iallreduce([src, mtype], [dst, mtype], op=op),
+            finish, (src, dst, out),
+        )
+
+    def reduce_scatter(
+        self,
+        group: Group,
+        send: np.ndarray,
+        out: np.ndarray,
+        axis: int,
+        sizes: Sequence[int],
+        reduce_op: str,
+        async_op: bool = False,
+    ) -> Work:
+        """Reduce every rank's ``send``; rank ``i`` keeps block ``i`` along ``axis`` in ``out``."""
+        m, me = group.size, group.rank
+        if m == 1:
+            out[...] = send
+            return completed(out)
+        outer, length, inner = view3(send.shape, axis)
+        record("reduce_scatter", group.mesh_dim, send.nbytes - out.nbytes,
+               (m - 1) * out.nbytes, comm_path() == "padded", async_op)
+        if send.size == 0:
+            return completed(out)
+        wide = WIDENED.get(out.dtype)
+        dtype = wide or out.dtype
+        mtype, op = reduction_type(dtype), reduction_op(dtype, reduce_op)
+        offs = offsets(sizes)
+        padded = comm_path() == "padded" and len(set(sizes)) > 1
+        width = max(sizes) if padded else None
+        src3 = _contiguous(send).reshape(outer, length, inner)
+        if outer == 1 and not padded:
+            pack = np.ascontiguousarray(send, dtype=dtype).reshape(-1)
+        else:
+            blocks = [outer * (width or n) * inner for n in sizes]
+            pack = np.zeros(sum(blocks), dtype=dtype) if padded else np.empty(sum(blocks), dtype=dtype)
+            start = 0
+            for n, o, b in zip(sizes, offs, blocks):
+                pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]
+                start += b
+        direct = wide is None and not padded and out.flags.c_contiguous
+        dst = out if direct else np.empty(outer * (width or sizes[me]) * inner, dtype=dtype)
+        comm = group.comm
+        counts = [outer * n * inner for n in sizes]
+
+        def finish() -> np.ndarray:
+            if reduce_op == "avg":
+                _divide(dst, m)
+            if dst is not out:
+                got = dst.reshape(outer, width or sizes[me], inner)[:, : sizes[me], :]
+                out[...] = got.reshape(out.shape)
+            return out
+
+        if padded:
+            count = outer * width * inner
+            blocking = lambda: comm.Reduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)
+            nonblocking = lambda: comm.Ireduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)
+        else:
+            blocking = lambda: comm.Reduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
+            nonblocking = lambda: comm.Ireduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
+        return self._run(async_op, blocking, nonblocking, finish, (pack, dst, out))
+
+    # -- one-to-all ----------------------------------------------------------------------
+    def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
+        """Copy ``buf`` from group rank ``root`` to every rank, in place."""
+        if group.size == 1 or buf.size == 0:
+            return completed(buf)
+        me = group.rank
+        record("broadcast", group.mesh_dim, buf.nbytes * (group.size - 1) if me == root else 0,
+               0 if me == root else buf.nbytes, False, async_op)
+        etype = element_type(buf.dtype.itemsize)
+        comm = group.comm
+        return self._run(
+            async_op,
+            lambda: comm.Bcast([buf, buf.size, etype], root=root),
+            lambda: comm.Ibcast([buf, buf.size, etype], root=root),
+            lambda: buf, (buf,),
+        )
+
+    def scatter(
+        self,
+        group: Group,
+        send: np.ndarray | None,
+        out: np.ndarray,
+        axis: int,
+        sizes: Sequence[int],
+        root: int,
+        async_op: bool = False,
+    ) -> Work:
+        """Rank ``i`` receives block ``i`` along ``axis`` of the root's ``send``."""
+        m, me = group.size, group.rank
+        if m == 1:
+            assert send is not None
+            out[...] = send
+            return completed(out)
+        item = out.dtype.itemsize
+        etype = element_type(item)
+        record("scatter", group.mesh_dim,
+               (send.nbytes - out.nbytes) if me == root and send is not None else 0,
+               0 if me == root else out.nbytes, comm_path() == "padded", async_op)
+        offs = offsets(sizes)
+        padded = comm_path() == "padded"
+        width = max(sizes)
+        if me == root:
+            assert send is not None
+            outer, length, inner = view3(send.shape, axis)
+            src3 = np.ascontiguousarray(send).reshape(outer, length, inner)
+            blocks = [outer * (width if padded else n) * inner for n in sizes]
+            pack = np.empty(sum(blocks), dtype=out.dtype)
+            start = 0
+            for n, o, b in zip(sizes, offs, blocks):
+                pack[start : start + b].reshape(outer, width if padded else n, inner)[:, :n, :] = src3[:, o : o + n, :]
+                start += b
+        else:
+            outer, _, inner = view3(out.shape, axis)
+            pack = np.empty(0, dtype=out.dtype)
+        recv = np.empty(outer * (width if padded else sizes[me]) * inner, dtype=out.dtype)
+        comm = group.comm
+
+        def finish() -> np.ndarray:
+            got = recv.reshape(outer, width if padded else sizes[me], inner)[:, : sizes[me], :]
+            out[...] = got.reshape(out.shape)
+            return out
+
+        if padded:
+            count = outer * width * inner
+            blocking = lambda: comm.Scatter([pack, count, etype], [recv, count, etype], root=root)
+            nonblocking = lambda: comm.Iscatter([pack, count, etype], [recv, count, etype], root=root)
+        else:
+            counts = [outer * n * inner for n in sizes]
+            sspec = [pack, (counts, offsets(counts)), etype]
+            blocking = lambda: comm.Scatterv(sspec, [recv, recv.size, etype], root=root)
+            nonblocking = lambda: comm.Iscatterv(sspec, [recv, recv.size, etype], root=root)
+        return self._run(async_op, blocking, nonblocking, finish, (pack, recv, out))
+
+
+def _global_block(
+    send_shape: tuple[int, ...], split_axis: int, split_sizes: Sequence[int],
+    concat_axis: int, concat_sizes: Sequence[int],
+) -> int:
+    """The largest all-to-all block any rank sends, the same number on every rank."""
+    shape = list(send_shape)
+    shape[split_axis] = max(split_sizes)
+    if concat_axis != split_axis:
+        shape[concat_axis] = max(concat_sizes)
+    return int(np.prod(shape))
+
+
+def _divide(buf: np.ndarray, m: int) -> None:
+    if buf.dtype.kind in "iu":
+        np.floor_divide(buf, m, out=buf)
+    elif buf.dtype.kind != "b":
+        np.divide(buf, m, out=buf)

@@ -1,0 +1,291 @@
+"""DTensor: one global array whose pieces live on the ranks of a DeviceMesh."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .dtypes import check_dtype, dtype_code
+from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
+from .mesh import DeviceMesh
+from .placement import Placement, Replicate, Shard, normalize_placements
+from .redistribute import PlanHandle, array_namespace, plan_redistribute, run_plan
+from .spec import DTensorSpec
+from .split import local_shape_and_offset
+from .spmd import agreed
+
+MAX_NDIM = 32
+
+
+class DTensor:
+    """A distributed array. Construct with ``from_local``, ``distribute_tensor`` or a factory.
+
+    ``to_local()`` is this rank's piece (no copy); ``to_torch()`` gathers the complete value.
+    """
+
+    __slots__ = ("_local", "_spec", "_pending", "__weakref__")
+
+    def __init__(self, local: Any, spec: DTensorSpec, *, _pending: PlanHandle | None = None):
+        self._local = local
+        self._spec = spec
+        self._pending = _pending
+
+    # --- metadata -------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._spec.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._spec.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self._spec.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self._spec.shape, dtype=np.int64))
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        return self._spec.placements
+
+    @property
+    def spec(self) -> DTensorSpec:
+        return self._spec
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DTensor")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return (
+            f"DTensor(shape={self.shape}, dtype={self.dtype}, placements={list(self.placements)}, "
+            f"mesh={self.device_mesh.shape}, local_shape={self._spec.local_shape})"
+        )
+
+    # --- local piece ----------------------------------------------------------------------
+    def wait(self) -> "DTensor":
+        """Finish a pending ``redistribute(async_op=True)``; returns self."""
+        if self._pending is not None:
+            self._local = self._pending.wait()
+            self._pending = None
+        return self
+
+    def to_local(self) -> Any:
+        """This rank's piece (a NumPy or CuPy array), without copying."""
+        self.wait()
+        return self._local
+
+    # --- communication --------------------------------------------------------------------
+    def redistribute(
+        self,
+        device_mesh: DeviceMesh | None = None,
+        placements: Sequence[Placement] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> "DTensor":
+        """The same global value with new placements on the same mesh.
+
+        With ``async_op=True`` the collectives are nonblocking: a DTensor is returned at once
+        and its piece materialises when first used (``to_local()``, any operator) or on
+        ``.wait()``.
+        """
+        mesh = self.device_mesh
+        if device_mesh is not None and device_mesh != mesh:
+            raise MeshMismatchError(
+                f"redistribute to another mesh is not supported: the tensor lives on {mesh!r}, "
+                f"the target is {device_mesh!r}; gather with to_torch() and distribute_tensor() "
+                f"onto the new mesh instead"
+            )
+        target = self.placements if placements is None else normalize_placements(
+            placements, mesh.ndim, self.ndim
+        )
+        steps = plan_redistribute(self.placements, target)
+        spec = self._spec.with_placements(target)
+        if async_op:
+            return DTensor(None, spec, _pending=PlanHandle(
+                self.to_local(), steps, mesh, self.shape, self.placements))
+        return DTensor(run_plan(self.to_local(), steps, mesh, self.shape, self.placements), spec)
+
+    def to_torch(self) -> Any:
+        """The complete value on every rank of the mesh (NumPy for "cpu", CuPy for "cuda").
+
+        ``Shard`` pieces are concatenated, ``Replicate`` contributes one copy and ``Partial``
+        pieces are reduced. Already fully replicated: the local piece itself (no copy).
+        On a rank outside the mesh: None.
+        """
+        return self.to_torch_async().wait()
+
+    full_tensor = to_torch
+
+    def to_torch_async(self) -> "GatherHandle":
+        """Start gathering the complete value on nonblocking collectives; see GatherHandle."""
+        mesh = self.device_mesh
+        target = (Replicate(),) * mesh.ndim
+        steps = plan_redistribute(self.placements, target)
+        return GatherHandle(
+            PlanHandle(self.to_local(), steps, mesh, self.shape, self.placements),
+            mesh.get_coordinate() is not None,
+        )
+
+    # --- construction ---------------------------------------------------------------------
+    @staticmethod
+    def from_local(
+        local: Any,
+        device_mesh: DeviceMesh,
+        placements: Sequence[Placement],
+        *,
+        shape: Sequence[int] | None = None,
+        run_check: bool = False,
+    ) -> "DTensor":
+        """Wrap this rank's piece; every rank of the mesh calls it with its own piece.
+
+        ``shape=None``: the global shape is derived from every rank's piece (one all-gather
+        of shapes), and the pieces are checked against the split rule. ``run_check=True``
+        checks the pieces (shapes, dtype, ndim) against ``shape`` the same way. A failed check
+        raises the same ``ShapeMismatchError``/``DTypeMismatchError`` on every rank.
+        ``shape`` given and ``run_check=False``: no communication; the pieces are trusted.
+        """
+        mesh = device_mesh
+        if shape is not None and not run_check:
+            xp_local = _as_local(local, mesh)
+            dtype = check_dtype(xp_local.dtype)
+            global_shape = tuple(int(s) for s in shape)
+            plc = normalize_placements(placements, mesh.ndim, len(global_shape))
+            return DTensor(xp_local, DTensorSpec(mesh, plc, global_shape, dtype))
+        return _from_local_checked(local, mesh, placements, shape)
+
+
+class GatherHandle:
+    """Handle of ``to_torch_async()``: ``done()`` polls, ``wait()`` returns the complete value."""
+
+    def __init__(self, plan: PlanHandle, member: bool) -> None:
+        self._plan = plan
+        self._member = member
+
+    def done(self) -> bool:
+        return self._plan.done()
+
+    def wait(self) -> Any:
+        value = self._plan.wait()
+        return value if self._member else None
+
+
+def _as_local(local: Any, mesh: DeviceMesh) -> Any:
+    xp = array_namespace(mesh.device_type)
+    if not hasattr(local, "shape") or not hasattr(local, "dtype"):
+        raise TypeError(f"from_local needs an array piece, got {type(local).__name__}")
+    if mesh.device_type == "cpu" and not isinstance(local, np.ndarray):
+        raise TypeError(
+            f"a 'cpu' mesh holds numpy.ndarray pieces, got {type(local).__module__}."
+            f"{type(local).__name__}; convert it first (numpy.asarray / cupy.asnumpy)"
+        )
+    if mesh.device_type == "cuda" and not isinstance(local, xp.ndarray):
+        raise TypeError(f"a 'cuda' mesh holds cupy.ndarray pieces, got {type(local).__name__}")
+    return local
+
+
+def _from_local_checked(
+    local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
+) -> DTensor:
+    comm = mesh.get_comm()
+    coord = mesh.get_coordinate()
+    if coord is None:
+        if shape is None:
+            raise MeshMismatchError(
+                "from_local on a rank outside the mesh cannot derive the global shape; pass shape="
+            )
+        xp_local = _as_local(local, mesh)
+        global_shape = tuple(int(s) for s in shape)
+        plc = normalize_placements(placements, mesh.ndim, len(global_shape))
+        return DTensor(xp_local, DTensorSpec(mesh, plc, global_shape, check_dtype(xp_local.dtype)))
+    record = np.full(3 + 2 * MAX_NDIM, -1, dtype=np.int64)
+    problem: Exception | None = None
+    try:
+        xp_local = _as_local(local, mesh)
+        if xp_local.ndim > MAX_NDIM:
+            raise ShapeMismatchError(f"pieces have {xp_local.ndim} dims; at most {MAX_NDIM} are supported")
+        record[0] = 0
+        record[1] = xp_local.ndim
+        record[2] = dtype_code(xp_local.dtype)
+        record[3 : 3 + xp_local.ndim] = xp_local.shape
+        if shape is not None:
+            given = tuple(int(s) for s in shape)
+            if len(given) != xp_local.ndim:
+                raise ShapeMismatchError(
+                    f"shape={given} has {len(given)} dims but the local piece has {xp_local.ndim}"
+                )
+            record[3 + MAX_NDIM : 3 + MAX_NDIM + len(given)] = given
+        normalize_placements(placements, mesh.ndim, xp_local.ndim)
+    except Exception as exc:  # noqa: BLE001 - agreed below
+        problem = exc
+    with agreed(comm):
+        if problem is not None:
+            raise problem
+    table = np.empty((comm.Get_size(), record.size), dtype=np.int64)
+    comm.Allgather(record, table)
+    ndims = set(table[:, 1].tolist())
+    if len(ndims) != 1:
+        raise ShapeMismatchError(
+            "from_local pieces differ in ndim across ranks: "
+            + ", ".join(f"rank {r}: {int(n)}-D" for r, n in enumerate(table[:, 1]))
+        )
+    ndim = ndims.pop()
+    codes = set(table[:, 2].tolist())
+    if len(codes) != 1:
+        from .dtypes import dtype_from_code
+
+        raise DTypeMismatchError(
+            "from_local pieces differ in dtype across ranks: "
+            + ", ".join(f"rank {r}: {dtype_from_code(int(c))}" for r, c in enumerate(table[:, 2]))
+            + "; cast every piece to one dtype"
+        )
+    plc = normalize_placements(placements, mesh.ndim, ndim)
+    local_shapes = [tuple(int(v) for v in row[3 : 3 + ndim]) for row in table]
+    coords = [tuple(int(c) for c in np.unravel_index(r, mesh.shape)) for r in range(comm.Get_size())]
+    if shape is None:
+        global_shape = _derive_global_shape(local_shapes, coords, mesh.shape, plc)
+    else:
+        givens = {tuple(int(v) for v in row[3 + MAX_NDIM : 3 + MAX_NDIM + ndim]) for row in table}
+        if len(givens) != 1:
+            raise ShapeMismatchError(f"ranks passed different shape= values: {sorted(givens)}")
+        global_shape = givens.pop()
+    bad = []
+    for r, (got, c) in enumerate(zip(local_shapes, coords)):
+        want = local_shape_and_offset(global_shape, mesh.shape, plc, c)[0]
+        if got != want:
+            bad.append(f"rank {r} (coordinate {c}) has {got}, the split rule gives {want}")
+    if bad:
+        raise ShapeMismatchError(
+            f"from_local pieces do not form a global shape {global_shape} with placements "
+            f"{list(plc)}: " + "; ".join(bad)
+            + ". Pieces must follow the balanced split rule (see compute_local_shape_and_offset)"
+        )
+    return DTensor(local, DTensorSpec(mesh, plc, global_shape, check_dtype(local.dtype)))
+
+
+def _derive_global_shape(
+    local_shapes: list[tuple[int, ...]],
+    coords: list[tuple[int, ...]],
+    mesh_shape: tuple[int, ...],
+    placements: tuple[Placement, ...],
+) -> tuple[int, ...]:
+    ndim = len(local_shapes[0])
+    result = []
+    for d in range(ndim):
+        sharding = {k for k, p in enumerate(placements) if isinstance(p, Shard) and p.dim == d}
+        total = 0
+        for shape, c in zip(local_shapes, coords):
+            if all(c[k] == 0 for k in range(len(mesh_shape)) if k not in sharding):
+                total += shape[d]
+        result.append(total)
+    return tuple(result)

@@ -1,0 +1,268 @@
+"""Creating DTensors: distribute_tensor and factories that allocate only the local piece."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import random as _random
+from .comm import CommCounter  # noqa: F401  (re-exported for users of this module)
+from .comm.counter import record
+from .dtensor import DTensor
+from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type
+from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
+from .mesh import DeviceMesh
+from .placement import Partial, Placement, normalize_placements
+from .redistribute import array_namespace
+from .spec import DTensorSpec
+from .split import local_shape_and_offset
+from .spmd import agreed
+
+DEFAULT_DTYPE = np.dtype("float32")
+MAX_NDIM = 32
+
+
+def _parse_shape(shape: tuple[Any, ...]) -> tuple[int, ...]:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    dims = tuple(int(s) for s in shape)
+    if any(s < 0 for s in dims):
+        raise ShapeMismatchError(f"negative dimension in shape {dims}")
+    return dims
+
+
+def _needs_value(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> bool:
+    """False where a Partial("sum") mesh dim puts this rank off coordinate 0 (identity piece)."""
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return False
+    return not any(
+        isinstance(p, Partial) and p.reduce_op == "sum" and coord[k] != 0
+        for k, p in enumerate(placements)
+    )
+
+
+def _build(
+    shape: tuple[int, ...], dtype: np.dtype, mesh: DeviceMesh, placements: Sequence[Placement],
+    fill: Callable[[tuple[int, ...], tuple[int, ...], Any], Any],
+) -> DTensor:
+    plc = normalize_placements(placements, mesh.ndim, len(shape))
+    spec = DTensorSpec(mesh, plc, shape, dtype)
+    local_shape, offset = spec.local_shape_and_offset
+    xp = array_namespace(mesh.device_type)
+    if _needs_value(mesh, plc):
+        local = fill(local_shape, offset, xp)
+    else:
+        local = xp.zeros(local_shape, dtype=dtype)
+    return DTensor(local, spec)
+
+
+def _factory_args(dtype: Any, device_mesh: DeviceMesh | None, placements: Any) -> tuple[np.dtype, DeviceMesh, Any]:
+    if device_mesh is None:
+        raise TypeError("factories need device_mesh=...")
+    if placements is None:
+        from .placement import Replicate
+
+        placements = (Replicate(),) * device_mesh.ndim
+    return check_dtype(DEFAULT_DTYPE if dtype is None else dtype), device_mesh, placements
+
+
+def full(shape: Sequence[int] | int, fill_value: Any, *, dtype: Any = None,
+         device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
+    """A DTensor of ``fill_value``; each rank allocates only its piece."""
+    dims = _parse_shape((shape,))
+    dt, mesh, plc = _factory_args(
+        dtype if dtype is not None else _infer_fill_dtype(fill_value), device_mesh, placements)
+    return _build(dims, dt, mesh, plc, lambda s, o, xp: xp.full(s, fill_value, dtype=dt))
+
+
+def _infer_fill_dtype(value: Any) -> np.dtype | None:
+    """torch.full's rule: bool -> bool, int -> int64, float -> the default, complex -> complex64."""
+    if isinstance(value, (bool, np.bool_)):
+        return np.dtype(bool)
+    if isinstance(value, (int, np.integer)):
+        return np.dtype(np.int64)
+    if isinstance(value, (complex, np.complexfloating)):
+        return np.dtype(np.complex64)
+    return None
+
+
+def zeros(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
+    dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
+    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.zeros(s, dtype=dt))
+
+
+def ones(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None) -> DTensor:
+    dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
+    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.ones(s, dtype=dt))
+
+
+def empty(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
+    """Uninitialised pieces (Partial("sum") pieces off coordinate 0 are zeros, as for all)."""
+    dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
+    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.empty(s, dtype=dt))
+
+
+def arange(start: Any, stop: Any = None, step: Any = 1, *, dtype: Any = None,
+           device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
+    """``numpy.arange`` as a 1-D DTensor (dtype inferred from the arguments like NumPy)."""
+    if stop is None:
+        start, stop = 0, start
+    if step == 0:
+        raise ValueError("arange step must not be zero")
+    length = max(0, math.ceil((stop - start) / step))
+    inferred = np.result_type(*(np.asarray(v) for v in (start, stop, step)))
+    dt, mesh, plc = _factory_args(dtype if dtype is not None else inferred, device_mesh, placements)
+
+    def fill(s: tuple[int, ...], o: tuple[int, ...], xp: Any) -> Any:
+        idx = xp.arange(o[0], o[0] + s[0], dtype=np.float64 if dt.kind == "f" or inferred.kind == "f" else np.int64)
+        return (start + idx * step).astype(dt)
+
+    return _build((length,), dt, mesh, plc, fill)
+
+
+def rand(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
+         placements: Sequence[Placement] | None = None) -> DTensor:
+    """Uniform [0, 1) values, the same global value for any mesh and placements."""
+    dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
+    _require_float(dt, "rand")
+    dims = _parse_shape(shape)
+    key = _random.next_key()
+    return _build(dims, dt, mesh, plc,
+                  lambda s, o, xp: _random.uniform(key, dims, s, o, dt, xp))
+
+
+def randn(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
+          placements: Sequence[Placement] | None = None) -> DTensor:
+    """Standard normal values, the same global value for any mesh and placements."""
+    dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
+    _require_float(dt, "randn")
+    dims = _parse_shape(shape)
+    key = _random.next_key()
+    return _build(dims, dt, mesh, plc,
+                  lambda s, o, xp: _random.normal(key, dims, s, o, dt, xp))
+
+
+def _require_float(dt: np.dtype, name: str) -> None:
+    if dt.kind != "f":
+        raise DTypeMismatchError(f"{name} makes floating-point values; got dtype {dt}")
+
+
+def distribute_tensor(
+    array: Any,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
+    """Turn a complete array into a DTensor; each rank receives only its piece.
+
+    ``src_data_rank``: the mesh rank (position in ``device_mesh.mesh.flatten()``; equal to the
+    world rank for ``init_device_mesh``) holding the array; other ranks may pass ``None`` or
+    an array of the same shape, which is ignored. The source sends each rank its piece as a
+    buffer. ``None``: every rank holds the array and slices locally (no data moves; one tiny
+    check that all ranks agree on shape and dtype). The pieces never alias ``array``.
+    """
+    mesh = device_mesh
+    comm = mesh.get_comm()
+    coord = mesh.get_coordinate()
+    xp = array_namespace(mesh.device_type)
+    if coord is None:
+        raise MeshMismatchError(
+            f"distribute_tensor on world rank {MPI.COMM_WORLD.Get_rank()}, which is not in {mesh!r}"
+        )
+    size = comm.Get_size()
+    if src_data_rank is not None and not 0 <= src_data_rank < size:
+        raise ValueError(f"src_data_rank={src_data_rank} is not a rank of a mesh of {size} ranks")
+    me = comm.Get_rank()
+    holds = src_data_rank is None or me == src_data_rank
+    meta = np.full(2 + MAX_NDIM, -1, dtype=np.int64)
+    problem: Exception | None = None
+    if holds:
+        try:
+            if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+                raise TypeError(f"distribute_tensor needs an array, got {type(array).__name__}")
+            if array.ndim > MAX_NDIM:
+                raise ShapeMismatchError(f"arrays of more than {MAX_NDIM} dims are not supported")
+            meta[0], meta[1] = array.ndim, dtype_code(array.dtype)
+            meta[2 : 2 + array.ndim] = array.shape
+            normalize_placements(placements, mesh.ndim, array.ndim)
+        except Exception as exc:  # noqa: BLE001 - agreed below
+            problem = exc
+    with agreed(comm):
+        if problem is not None:
+            raise problem
+    if src_data_rank is None:
+        both = np.concatenate([meta, -meta])
+        lowest = np.empty_like(both)
+        comm.Allreduce(both, lowest, op=MPI.MIN)
+        if not np.array_equal(lowest[: meta.size], -lowest[meta.size :]):
+            raise ShapeMismatchError(
+                "distribute_tensor(src_data_rank=None) needs the same array shape and dtype on "
+                "every rank; ranks disagree"
+            )
+    else:
+        comm.Bcast(meta, root=src_data_rank)
+    ndim = int(meta[0])
+    shape = tuple(int(s) for s in meta[2 : 2 + ndim])
+    dt = dtype_from_code(int(meta[1]))
+    plc = normalize_placements(placements, mesh.ndim, ndim)
+    spec = DTensorSpec(mesh, plc, shape, dt)
+    local_shape, offset = spec.local_shape_and_offset
+    index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+    if src_data_rank is None:
+        local = xp.array(array[index], copy=True) if _needs_value(mesh, plc) else xp.zeros(local_shape, dt)
+        return DTensor(xp.ascontiguousarray(local), spec)
+    local = xp.zeros(local_shape, dtype=dt)
+    _send_pieces(array, local, mesh, plc, shape, src_data_rank, me, xp)
+    return DTensor(local, spec)
+
+
+def _send_pieces(
+    array: Any, local: Any, mesh: DeviceMesh, plc: tuple[Placement, ...], shape: tuple[int, ...],
+    root: int, me: int, xp: Any,
+) -> None:
+    """Point-to-point from the root: each receiving rank gets its hyperslab as one buffer."""
+    comm = mesh.get_comm()
+    tag = 0x7D15
+    itemsize = local.dtype.itemsize
+    needs = [
+        not any(isinstance(p, Partial) and p.reduce_op == "sum" and c[k] != 0
+                for k, p in enumerate(plc))
+        for c in (tuple(int(v) for v in np.unravel_index(r, mesh.shape)) for r in range(comm.Get_size()))
+    ]
+    if me == root:
+        src = np.ascontiguousarray(array.get() if hasattr(array, "get") else array)
+        requests, types, sent = [], [], 0
+        for r in range(comm.Get_size()):
+            if not needs[r]:
+                continue
+            c = tuple(int(v) for v in np.unravel_index(r, mesh.shape))
+            lshape, off = local_shape_and_offset(shape, mesh.shape, plc, c)
+            index = tuple(slice(o, o + n) for o, n in zip(off, lshape))
+            if r == me:
+                local[...] = xp.asarray(src[index])
+                continue
+            if math.prod(lshape) == 0:
+                continue
+            t = element_type(itemsize).Create_subarray(shape, lshape, off) if shape else element_type(itemsize).Dup()
+            t.Commit()
+            types.append(t)
+            requests.append(comm.Isend([src, 1, t], dest=r, tag=tag))
+            sent += math.prod(lshape) * itemsize
+        record("scatter", None, sent, 0, False, False)
+        MPI.Request.Waitall(requests)
+        for t in types:
+            t.Free()
+    elif needs[me] and local.size:
+        host = np.empty(local.shape, dtype=local.dtype) if mesh.device_type != "cpu" else local
+        comm.Recv([host, host.size, element_type(itemsize)], source=root, tag=tag)
+        record("scatter", None, 0, host.nbytes, False, False)
+        if host is not local:
+            local[...] = xp.asarray(host)

@@ -1,0 +1,229 @@
+"""DeviceMesh: an n-D arrangement of MPI world ranks with one communicator per mesh dim."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from ._mpi import library_world, node_local_rank
+from .errors import MeshMismatchError
+from .spmd import agreed
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+class DeviceMesh:
+    """World ranks arranged in a mesh; collective to construct (every world rank calls it).
+
+    ``get_group(k)`` is the communicator of the ranks that differ only in mesh dim ``k``;
+    the communicators are built once here (``Split``) and released by ``free()`` (collective),
+    never by the garbage collector. A rank outside the mesh has ``get_coordinate() is None``.
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: Any,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+    ) -> None:
+        world = library_world()
+        with agreed(world):
+            array = _validate_mesh(device_type, mesh, mesh_dim_names, world.Get_size())
+            _agree_same_everywhere(world, array, device_type, mesh_dim_names)
+        self._init_fields(device_type, array, mesh_dim_names)
+        me = world.Get_rank()
+        where = np.argwhere(array == me)
+        self._coordinate: tuple[int, ...] | None = (
+            tuple(int(c) for c in where[0]) if len(where) else None
+        )
+        self._owns_comms = True
+        self._comm = world.Split(
+            0 if self._coordinate is not None else MPI.UNDEFINED,
+            int(np.ravel_multi_index(self._coordinate, array.shape)) if self._coordinate else 0,
+        )
+        self._groups: list[MPI.Intracomm] = []
+        for k in range(array.ndim):
+            if self._coordinate is None:
+                color, key = MPI.UNDEFINED, 0
+            else:
+                rest = tuple(c for i, c in enumerate(self._coordinate) if i != k)
+                rest_shape = tuple(n for i, n in enumerate(array.shape) if i != k)
+                color = int(np.ravel_multi_index(rest, rest_shape)) if rest else 0
+                key = self._coordinate[k]
+            self._groups.append(world.Split(color, key))
+        if device_type == "cuda" and self._coordinate is not None:
+            _select_gpu()
+
+    def _init_fields(
+        self, device_type: str, array: np.ndarray, names: Sequence[str] | None
+    ) -> None:
+        self.device_type = device_type
+        self._mesh = array
+        self._mesh.setflags(write=False)
+        self.mesh_dim_names = tuple(names) if names is not None else None
+        self._freed = False
+        self._key = (device_type, array.shape, tuple(array.ravel().tolist()), self.mesh_dim_names)
+
+    @classmethod
+    def _sub(cls, parent: "DeviceMesh", mesh_dim: int) -> "DeviceMesh":
+        """The 1-D mesh along ``mesh_dim`` through this rank (shares the parent's communicator)."""
+        self = cls.__new__(cls)
+        coord = parent._coordinate or (0,) * parent.ndim
+        index = tuple(slice(None) if i == mesh_dim else c for i, c in enumerate(coord))
+        names = [parent.mesh_dim_names[mesh_dim]] if parent.mesh_dim_names else None
+        self._init_fields(parent.device_type, np.array(parent._mesh[index]), names)
+        self._coordinate = (parent._coordinate[mesh_dim],) if parent._coordinate else None
+        self._owns_comms = False
+        self._parent = parent
+        group = parent._groups[mesh_dim]
+        self._comm = group
+        self._groups = [group]
+        return self
+
+    # --- public members -------------------------------------------------------------------
+    @property
+    def mesh(self) -> np.ndarray:
+        return self._mesh
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._mesh.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self._mesh.ndim
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            return int(self._mesh.size)
+        return self.shape[self._dim_index(mesh_dim)]
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        return self._coordinate
+
+    def get_local_rank(self, mesh_dim: int | str = 0) -> int | None:
+        if self._coordinate is None:
+            return None
+        return self._coordinate[self._dim_index(mesh_dim)]
+
+    def get_group(self, mesh_dim: int | str = 0) -> MPI.Intracomm:
+        """The communicator along ``mesh_dim`` (``COMM_NULL`` on a rank outside the mesh)."""
+        self._check_alive()
+        return self._groups[self._dim_index(mesh_dim)]
+
+    def get_comm(self) -> MPI.Intracomm:
+        """The communicator of all ranks of the mesh (``COMM_NULL`` outside it)."""
+        self._check_alive()
+        return self._comm
+
+    def __getitem__(self, name: str | int) -> "DeviceMesh":
+        return DeviceMesh._sub(self, self._dim_index(name))
+
+    def free(self) -> None:
+        """Release the mesh's communicators. Collective over the world; idempotent."""
+        if self._freed:
+            return
+        self._freed = True
+        if self._owns_comms:
+            for comm in (self._comm, *self._groups):
+                if comm != MPI.COMM_NULL:
+                    comm.Free()
+
+    def __enter__(self) -> "DeviceMesh":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeviceMesh) and self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self.device_type!r}, {self._mesh.tolist()}{names})"
+
+    # --- helpers --------------------------------------------------------------------------
+    def _dim_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(
+                    f"mesh has no dim named {mesh_dim!r}; its dims are {self.mesh_dim_names}"
+                )
+            return self.mesh_dim_names.index(mesh_dim)
+        if not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"mesh dim {mesh_dim} out of range for a {self.ndim}-D mesh")
+        return mesh_dim % self.ndim
+
+    def _check_alive(self) -> None:
+        if self._freed or (not self._owns_comms and self._parent._freed):
+            raise MeshMismatchError(f"{self!r} has been freed; create a new mesh")
+
+
+def _validate_mesh(
+    device_type: str, mesh: Any, names: Sequence[str] | None, world_size: int
+) -> np.ndarray:
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device_type {device_type!r} is not supported; use 'cpu' or 'cuda'")
+    array = np.array(mesh)
+    if array.ndim == 0:
+        array = array.reshape(1)
+    if array.size == 0 or array.dtype.kind not in "iu":
+        raise ValueError(f"mesh must be a non-empty (nested) list of int world ranks, got {mesh!r}")
+    array = array.astype(np.int64)
+    if len(set(array.ravel().tolist())) != array.size:
+        raise ValueError(f"mesh {array.tolist()} names a rank twice; each rank appears once")
+    bad = [int(r) for r in array.ravel() if not 0 <= r < world_size]
+    if bad:
+        raise ValueError(
+            f"mesh ranks {bad} are not world ranks (world size is {world_size}); "
+            f"launch with more ranks (mpiexec -n ...) or use a smaller mesh"
+        )
+    if names is not None:
+        names = tuple(names)
+        if len(names) != array.ndim or len(set(names)) != len(names):
+            raise ValueError(
+                f"mesh_dim_names {names} must name each of the {array.ndim} mesh dims once"
+            )
+    return array
+
+
+def _agree_same_everywhere(
+    world: MPI.Intracomm, array: np.ndarray, device_type: str, names: Sequence[str] | None
+) -> None:
+    text = repr((array.shape, array.ravel().tolist(), device_type, tuple(names or ())))
+    digest = zlib.crc32(text.encode())
+    local = np.array([digest, -digest], dtype=np.int64)
+    lowest = np.empty_like(local)
+    world.Allreduce(local, lowest, op=MPI.MIN)
+    if lowest[0] != -lowest[1]:
+        raise MeshMismatchError(
+            "ranks passed different meshes to DeviceMesh(); every rank must pass the same "
+            "device_type, mesh and mesh_dim_names"
+        )
+
+
+def _select_gpu() -> None:
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(node_local_rank() % count).use()
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int] | int,
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+) -> DeviceMesh:
+    """A mesh of world ranks ``0..prod(mesh_shape)-1`` in row-major order."""
+    shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+    return DeviceMesh(
+        device_type, np.arange(int(np.prod(shape))).reshape(shape), mesh_dim_names=mesh_dim_names
+    )

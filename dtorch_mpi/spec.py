@@ -1,0 +1,35 @@
+"""DTensorSpec: the metadata of a DTensor (mesh, placements, global shape, dtype); hashable."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from .mesh import DeviceMesh
+from .placement import Placement
+from .split import local_shape_and_offset
+
+
+@dataclass(frozen=True)
+class DTensorSpec:
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @cached_property
+    def local_shape_and_offset(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        coord = self.mesh.get_coordinate()
+        if coord is None:
+            zeros = tuple(0 for _ in self.shape)
+            return zeros, zeros
+        return local_shape_and_offset(self.shape, self.mesh.shape, self.placements, coord)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.local_shape_and_offset[0]
+
+    def with_placements(self, placements: tuple[Placement, ...]) -> "DTensorSpec":
+        return DTensorSpec(self.mesh, placements, self.shape, self.dtype)
