@@ -1,0 +1,128 @@
+"""MPI test harness: one verdict for all ranks, meshes as fixtures, SPMD-safe checks.
+
+After every test phase (setup, call, teardown) the ranks agree on the outcome: a test that
+fails on any rank is reported failed on every rank, with the failing ranks' tracebacks.
+Nothing can hang: pytest-timeout (thread method) ends a stuck rank's process, and mpiexec
+then ends the others; every mpiexec run is bounded by scripts/run_tests.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+from dtorch_mpi.spmd import _allgather_bytes
+
+WORLD = MPI.COMM_WORLD
+SIZE = WORLD.Get_size()
+RANK = WORLD.Get_rank()
+
+settings.register_profile(
+    "spmd",
+    derandomize=True,  # every rank draws the same examples
+    database=None,
+    deadline=None,
+    max_examples=25,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("spmd")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if SIZE == 1:
+        return
+    mine = report.longreprtext.encode() if report.failed else b""
+    flag = np.array([1 if report.failed else 0], dtype=np.int32)
+    flags = np.zeros(SIZE, dtype=np.int32)
+    WORLD.Allgather(flag, flags)
+    if not flags.any():
+        return
+    texts = _allgather_bytes(WORLD, mine)
+    failing = [r for r in range(SIZE) if flags[r]]
+    others = [r for r in failing if r != RANK]
+    if not others:
+        return
+    detail = "\n".join(
+        f"----- rank {r} -----\n{texts[r].decode(errors='replace')[-4000:]}" for r in others
+    )
+    header = f"[{report.when}] failed on rank(s) {failing} of {SIZE}"
+    if report.failed:
+        report.sections.append((header, detail))
+    else:
+        report.outcome = "failed"
+        report.longrepr = f"{header}\n{detail}"
+
+
+class Checker:
+    """Collects mismatches instead of asserting at once, so every rank reaches every collective
+    of a test; ``done()`` asserts at the end."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+
+    def equal(self, got: Any, want: Any, what: str, *, exact: bool = True, rtol: float = 1e-5,
+              atol: float = 1e-6) -> None:
+        got_a, want_a = np.asarray(got), np.asarray(want)
+        if got_a.shape != want_a.shape:
+            self.failures.append(f"{what}: shape {got_a.shape} != {want_a.shape}")
+        elif got_a.dtype != want_a.dtype:
+            self.failures.append(f"{what}: dtype {got_a.dtype} != {want_a.dtype}")
+        elif exact and not np.array_equal(got_a, want_a, equal_nan=got_a.dtype.kind in "fc"):
+            self.failures.append(f"{what}: values differ")
+        elif not exact and not np.allclose(got_a, want_a, rtol=rtol, atol=atol, equal_nan=True):
+            self.failures.append(f"{what}: values differ beyond tolerance")
+
+    def true(self, cond: bool, what: str) -> None:
+        if not cond:
+            self.failures.append(what)
+
+    def done(self) -> None:
+        assert not self.failures, f"{len(self.failures)} mismatches:\n" + "\n".join(self.failures[:30])
+
+
+@pytest.fixture
+def check() -> Checker:
+    return Checker()
+
+
+MESH2D_SHAPES = {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}
+
+
+@pytest.fixture(scope="session")
+def mesh1d() -> Iterator[dt.DeviceMesh]:
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    yield mesh
+    mesh.free()
+
+
+@pytest.fixture(scope="session")
+def mesh2d() -> Iterator[dt.DeviceMesh]:
+    mesh = dt.init_device_mesh("cpu", MESH2D_SHAPES.get(SIZE, (SIZE, 1)), mesh_dim_names=("dp", "tp"))
+    yield mesh
+    mesh.free()
+
+
+def lengths_for(m: int) -> list[int]:
+    """Lengths 0, 1, below, equal to and not divisible by the rank count ``m``."""
+    return sorted({0, 1, max(m - 1, 0), m, m + 1, 2 * m + 1, 7})
+
+
+def reference(shape: tuple[int, ...], dtype: Any = np.float64, seed: int = 0) -> np.ndarray:
+    """A deterministic full array, identical on every rank."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    if dtype.kind in "iu":
+        return rng.integers(0, 100, size=shape).astype(dtype)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    return rng.standard_normal(shape).astype(dtype)

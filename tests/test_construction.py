@@ -1,0 +1,168 @@
+"""DTensor construction: from_local, distribute_tensor, factories; against NumPy."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import dtorch_mpi as dt
+from conftest import RANK, SIZE, Checker, lengths_for, reference
+from dtorch_mpi.split import local_shape_and_offset
+
+
+def placements_1d() -> list[list[dt.Placement]]:
+    return [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
+
+
+def placements_2d() -> list[list[dt.Placement]]:
+    singles = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("min")]
+    return [list(p) for p in itertools.product(singles, repeat=2)]
+
+
+def expected_piece(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
+    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
+    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))]
+    coord = mesh.get_coordinate()
+    if any(isinstance(p, dt.Partial) and p.reduce_op == "sum" and coord[k] != 0
+           for k, p in enumerate(placements)):
+        return np.zeros_like(piece)
+    return piece
+
+
+def test_readme_example(mesh1d: dt.DeviceMesh) -> None:
+    full = np.arange(44, dtype=np.float32).reshape(4, 11)
+    x = dt.distribute_tensor(full, mesh1d, [dt.Shard(1)])
+    assert x.shape == (4, 11) and x.dtype == np.float32 and x.placements == (dt.Shard(1),)
+    assert np.array_equal(x.to_local(), expected_piece(full, mesh1d, [dt.Shard(1)]))
+    assert np.array_equal(x.to_torch(), full) and np.array_equal(x.full_tensor(), full)
+
+
+@pytest.mark.parametrize("src", [0, None, SIZE - 1])
+def test_distribute_tensor_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                           check: Checker, src: int | None) -> None:
+    for mesh, plist in ((mesh1d, placements_1d()), (mesh2d, placements_2d())):
+        for n in lengths_for(mesh.size()):
+            full = reference((n, 3), seed=n)
+            for placements in plist:
+                arg = full if src is None or RANK == src else None
+                x = dt.distribute_tensor(arg, mesh, placements, src_data_rank=src)
+                what = f"mesh {mesh.shape} {placements} n={n}"
+                check.equal(x.to_local(), expected_piece(full, mesh, placements), what)
+                check.equal(x.to_torch(), full, what)
+                check.true(x.to_local().flags.c_contiguous, f"{what}: piece not contiguous")
+    check.done()
+
+
+def test_distribute_tensor_does_not_alias(mesh1d: dt.DeviceMesh) -> None:
+    full = np.zeros((SIZE * 2, 2))
+    x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=None)
+    full[:] = 1
+    assert not x.to_local().any()
+
+
+def test_from_local_derives_uneven_shapes(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                          check: Checker) -> None:
+    for mesh, plist in ((mesh1d, placements_1d()), (mesh2d, placements_2d())):
+        for n in lengths_for(mesh.size()):
+            full = reference((n, 5), seed=1)
+            for placements in plist:
+                piece = expected_piece(full, mesh, placements).copy()
+                x = dt.DTensor.from_local(piece, mesh, placements)
+                check.equal(np.array(x.shape), np.array(full.shape), f"{placements} n={n} shape")
+                check.true(x.to_local() is piece, "from_local copied the piece")
+                y = dt.DTensor.from_local(piece, mesh, placements, shape=full.shape, run_check=True)
+                check.equal(y.to_torch(), full, f"{placements} n={n}")
+    check.done()
+
+
+def test_from_local_with_shape_and_no_check_does_not_communicate(mesh1d: dt.DeviceMesh) -> None:
+    piece = np.ones(dt.compute_local_shape_and_offset((7,), mesh1d, [dt.Shard(0)])[0])
+    with dt.CommCounter() as counter:
+        x = dt.DTensor.from_local(piece, mesh1d, [dt.Shard(0)], shape=(7,))
+    assert counter.count == 0 and x.shape == (7,)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_from_local_pieces_off_the_split_rule_raise_everywhere(mesh1d: dt.DeviceMesh) -> None:
+    # rank 0 holds one element too many: only rank 0 is wrong, every rank must raise
+    sizes = [3 if r == 0 else 2 for r in range(SIZE)]
+    sizes[0] = 2 + 2
+    with pytest.raises(dt.ShapeMismatchError, match=r"rank \d .* split rule gives"):
+        dt.DTensor.from_local(np.zeros((sizes[RANK], 2)), mesh1d, [dt.Shard(0)])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_from_local_rank_divergent_dtype_and_ndim(mesh1d: dt.DeviceMesh) -> None:
+    with pytest.raises(dt.DTypeMismatchError, match="differ in dtype"):
+        dt.DTensor.from_local(np.zeros(2, np.float32 if RANK else np.float64), mesh1d, [dt.Shard(0)])
+    with pytest.raises(dt.ShapeMismatchError, match="differ in ndim"):
+        dt.DTensor.from_local(np.zeros((2,) * (1 + (RANK == 1))), mesh1d, [dt.Shard(0)])
+    with pytest.raises(TypeError, match="array piece"):
+        dt.DTensor.from_local([1, 2] if RANK == 1 else np.zeros(2), mesh1d, [dt.Shard(0)])
+    with pytest.raises(dt.ShapeMismatchError, match="different shape= values"):
+        dt.DTensor.from_local(np.zeros(1), mesh1d, [dt.Replicate()], shape=(1 + (RANK == 1),), run_check=True)
+
+
+def test_from_local_invalid_placement_raises(mesh1d: dt.DeviceMesh) -> None:
+    with pytest.raises(dt.PlacementError, match="out of range"):
+        dt.DTensor.from_local(np.zeros(2), mesh1d, [dt.Shard(1)])
+    with pytest.raises(dt.DTypeMismatchError, match="not supported"):
+        dt.DTensor.from_local(np.zeros(2, dtype="U3"), mesh1d, [dt.Shard(0)])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_distribute_tensor_source_errors_reach_every_rank(mesh1d: dt.DeviceMesh) -> None:
+    with pytest.raises(dt.PlacementError, match="out of range"):
+        dt.distribute_tensor(np.zeros(3) if RANK == 0 else None, mesh1d, [dt.Shard(2)])
+    with pytest.raises(TypeError, match="needs an array"):
+        dt.distribute_tensor("abc" if RANK == 0 else None, mesh1d, [dt.Shard(0)])
+    with pytest.raises(dt.ShapeMismatchError, match="same array shape"):
+        dt.distribute_tensor(np.zeros(3 + RANK), mesh1d, [dt.Shard(0)], src_data_rank=None)
+
+
+FACTORIES = [
+    ("zeros", lambda s, **kw: dt.zeros(*s, **kw), lambda s, d: np.zeros(s, d)),
+    ("ones", lambda s, **kw: dt.ones(*s, **kw), lambda s, d: np.ones(s, d)),
+    ("full", lambda s, **kw: dt.full(s, 2.5, **kw), lambda s, d: np.full(s, 2.5, d)),
+]
+
+
+def test_factories_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    for mesh, plist in ((mesh1d, placements_1d()), (mesh2d, placements_2d())):
+        for n in lengths_for(mesh.size()):
+            for name, make, ref in FACTORIES:
+                for placements in plist:
+                    x = make((n, 2), dtype=np.float64, device_mesh=mesh, placements=placements)
+                    what = f"{name} {placements} n={n}"
+                    want_shape = dt.compute_local_shape_and_offset((n, 2), mesh, placements)[0]
+                    check.equal(np.array(x.to_local().shape), np.array(want_shape), what)
+                    check.equal(x.to_torch(), ref((n, 2), np.float64), what)
+            for placements in ([dt.Shard(0)] + [dt.Replicate()] * (mesh.ndim - 1),
+                               [dt.Partial()] * mesh.ndim):
+                a = dt.arange(n, device_mesh=mesh, placements=placements)
+                check.equal(a.to_torch(), np.arange(n), f"arange {placements} {n}")
+                b = dt.arange(1.5, n, 0.5, device_mesh=mesh, placements=placements)
+                check.equal(b.to_torch(), np.arange(1.5, n, 0.5), f"arange float {placements} {n}", exact=False)
+    e = dt.empty(3, 4, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    check.true(e.shape == (3, 4) and e.dtype == np.float32, "empty default dtype is float32")
+    check.true(dt.full((2,), 3, device_mesh=mesh1d).dtype == np.int64, "full(int) is int64")
+    check.done()
+
+
+def test_factories_allocate_only_the_local_piece(mesh1d: dt.DeviceMesh) -> None:
+    with dt.CommCounter() as counter:
+        x = dt.zeros(1000, 8, device_mesh=mesh1d, placements=[dt.Shard(0)])
+        dt.randn(1000, 8, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    assert counter.count == 0
+    assert x.to_local().nbytes == local_shape_and_offset((1000, 8), (SIZE,), (dt.Shard(0),), (RANK,))[0][0] * 8 * 4
+
+
+def test_factory_errors(mesh1d: dt.DeviceMesh) -> None:
+    with pytest.raises(dt.DTypeMismatchError, match="floating-point"):
+        dt.randn(3, dtype=np.int32, device_mesh=mesh1d)
+    with pytest.raises(dt.ShapeMismatchError, match="negative"):
+        dt.zeros(-1, device_mesh=mesh1d)
+    with pytest.raises(TypeError, match="device_mesh"):
+        dt.ones(3)

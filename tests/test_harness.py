@@ -1,0 +1,46 @@
+"""Self-test of the MPI harness: one rank's failure is every rank's, and nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from mpi4py import MPI
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or os.path.join(
+    os.path.dirname(sys.executable), "mpiexec")
+
+pytestmark = pytest.mark.skipif(
+    MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass"
+)
+
+
+def _launch(case: str, extra: list[str], limit: int) -> tuple[int, str, float]:
+    env = dict(os.environ, DTORCH_TEST_ALL_OUTPUT="1")
+    cmd = [*MPIEXEC.split(), "-n", "2", os.path.join(HERE, "rank_wrapper.sh"), sys.executable,
+           "-m", "pytest", "-q", "--with-mpi", "-p", "no:randomly",
+           os.path.join(HERE, "harness_cases", case), *extra]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit,
+                          cwd=os.path.dirname(HERE))
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
+
+
+def test_failure_on_one_rank_is_reported_by_every_rank() -> None:
+    rc, out, _ = _launch("case_one_rank_fails.py", [], 120)
+    assert rc != 0
+    # both ranks print their own summary: each must count the planted test as failed
+    assert out.count("1 failed, 1 passed") == 2, out
+    assert "failed on rank(s) [1] of 2" in out, out
+
+
+def test_a_hung_rank_ends_the_run() -> None:
+    rc, out, elapsed = _launch("case_one_rank_hangs.py", ["--timeout=5"], 120)
+    assert rc != 0
+    assert "Timeout" in out, out
+    assert elapsed < 60, f"the run took {elapsed:.0f}s"

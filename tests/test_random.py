@@ -1,0 +1,73 @@
+"""The sharding-invariant RNG: the same global value for any mesh and placements."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dtorch_mpi as dt
+from conftest import SIZE, Checker
+from dtorch_mpi import random as rnd
+
+LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
+LAYOUTS_2D = [[dt.Shard(0), dt.Shard(1)], [dt.Shard(1), dt.Shard(0)], [dt.Shard(0), dt.Shard(0)],
+              [dt.Replicate(), dt.Shard(1)], [dt.Replicate(), dt.Replicate()]]
+
+
+def global_reference(kind: str, seed: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """The whole value generated on this rank alone: what every layout must reproduce."""
+    rnd.manual_seed(seed)
+    key = rnd.next_key()
+    make = rnd.normal if kind == "randn" else rnd.uniform
+    return make(key, shape, shape, (0,) * len(shape), np.dtype(dtype), np)
+
+
+@pytest.mark.parametrize("kind", ["randn", "rand"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_same_global_value_for_every_layout(kind: str, dtype: type, mesh1d: dt.DeviceMesh,
+                                            mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    factory = getattr(dt, kind)
+    for shape in [(0, 3), (1, 1), (SIZE - 1 or 1, 3), (7, 5), (13, 11)]:
+        want = global_reference(kind, 42, shape, np.dtype(dtype))
+        for mesh, layouts in ((mesh1d, LAYOUTS_1D), (mesh2d, LAYOUTS_2D)):
+            for placements in layouts:
+                dt.manual_seed(42)
+                x = factory(*shape, dtype=dtype, device_mesh=mesh, placements=placements)
+                check.equal(x.to_torch(), want, f"{kind} {shape} {mesh.shape} {placements}")
+    check.done()
+
+
+def test_calls_advance_and_seed_restarts(mesh1d: dt.DeviceMesh) -> None:
+    dt.manual_seed(7)
+    a = dt.randn(16, device_mesh=mesh1d, placements=[dt.Shard(0)]).to_torch()
+    b = dt.randn(16, device_mesh=mesh1d, placements=[dt.Shard(0)]).to_torch()
+    dt.manual_seed(7)
+    c = dt.randn(16, device_mesh=mesh1d, placements=[dt.Replicate()]).to_torch()
+    assert not np.array_equal(a, b) and np.array_equal(a, c)
+    dt.manual_seed(8)
+    assert not np.array_equal(dt.randn(16, device_mesh=mesh1d).to_torch(), a)
+
+
+def test_partial_random_reduces_to_the_value(mesh1d: dt.DeviceMesh) -> None:
+    dt.manual_seed(3)
+    want = dt.randn(9, 4, device_mesh=mesh1d).to_torch()
+    dt.manual_seed(3)
+    got = dt.randn(9, 4, device_mesh=mesh1d, placements=[dt.Partial()]).to_torch()
+    assert np.allclose(got, want)
+
+
+def test_distributions_look_right() -> None:
+    n = 200_000
+    z = global_reference("randn", 1, (n,), np.dtype(np.float64))
+    u = global_reference("rand", 1, (n,), np.dtype(np.float64))
+    assert abs(z.mean()) < 0.01 and abs(z.var() - 1) < 0.015
+    assert abs(np.mean(z**4) - 3) < 0.06  # kurtosis of a normal
+    assert abs((np.abs(z) > 1.96).mean() - 0.05) < 0.003
+    assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.005
+    assert abs(u.var() - 1 / 12) < 0.001
+    hist, _ = np.histogram(u, bins=20, range=(0, 1))
+    assert np.all(np.abs(hist / (n / 20) - 1) < 0.05)
+    u32 = global_reference("rand", 1, (n,), np.dtype(np.float32))
+    assert u32.dtype == np.float32 and u32.max() < 1
+    # neighbouring elements are uncorrelated
+    assert abs(np.corrcoef(z[:-1], z[1:])[0, 1]) < 0.01

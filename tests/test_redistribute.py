@@ -1,0 +1,220 @@
+"""redistribute, to_torch and to_torch_async against NumPy on the complete arrays.
+
+Partial sources are built from pieces whose terms really differ between ranks (exact in
+integers-valued floats), so every reduction is exercised. Runs under both comm paths
+(DTORCH_COMM_PATH=variable|padded) via scripts/run_tests.py.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+
+import numpy as np
+import pytest
+
+import dtorch_mpi as dt
+from conftest import RANK, SIZE, Checker, lengths_for
+from dtorch_mpi.split import split_sizes
+
+P1 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max")]
+P2 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("min")]
+
+
+def integer_full(shape: tuple[int, ...], dtype: object = np.float64, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(-50, 50, size=shape).astype(dtype)
+
+
+def make_pieces(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
+    """This rank's piece, with Partial terms that differ per coordinate and reduce to ``full``."""
+    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
+    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))].copy()
+    coord = mesh.get_coordinate()
+    for k, p in enumerate(placements):
+        if not isinstance(p, dt.Partial):
+            continue
+        c, m = coord[k], mesh.shape[k]
+        if p.reduce_op == "sum":
+            piece = piece - sum(range(1, m)) if c == 0 else np.full_like(piece, c)
+        elif p.reduce_op == "max":
+            piece = piece if c == 0 else piece - (c + 1)
+        elif p.reduce_op == "min":
+            piece = piece if c == 0 else piece + (c + 1)
+    return np.ascontiguousarray(piece.astype(full.dtype))
+
+
+def local_of(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
+    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(off, shape))]
+
+
+def run_pairs(mesh: dt.DeviceMesh, pairs: list[tuple[list, list]], shapes: list[tuple[int, ...]],
+              check: Checker, async_op: bool = False) -> None:
+    for shape in shapes:
+        full = integer_full(shape, seed=sum(shape))
+        for src, dst in pairs:
+            x = dt.DTensor.from_local(make_pieces(full, mesh, src), mesh, src, shape=shape)
+            y = x.redistribute(mesh, dst, async_op=async_op)
+            what = f"{shape} {src} -> {dst}"
+            check.true(y.placements == tuple(dst), f"{what}: placements {y.placements}")
+            want_local = dt.compute_local_shape_and_offset(shape, mesh, dst)[0]
+            check.equal(np.array(y.to_local().shape), np.array(want_local), f"{what} local shape")
+            if not any(isinstance(p, dt.Partial) for p in dst):
+                check.equal(y.to_local(), local_of(full, mesh, dst), f"{what} local piece")
+            check.equal(y.to_torch(), full, what)
+
+
+def test_every_pair_on_a_1d_mesh(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    pairs = [([a], [b]) for a, b in itertools.product(P1, P1)]
+    shapes = [(n, 3) for n in lengths_for(SIZE)] + [(3, n) for n in lengths_for(SIZE)]
+    run_pairs(mesh1d, pairs, shapes, check)
+    check.done()
+
+
+def test_every_pair_on_a_2d_mesh(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    layouts = [list(p) for p in itertools.product(P2, repeat=2)]
+    pairs = [(a, b) for a in layouts for b in layouts]
+    run_pairs(mesh2d, pairs, [(5, 3), (1, 2)], check)
+    check.done()
+
+
+def test_nested_and_uneven_2d_cases(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    S0, S1, R, P = dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial()
+    layouts = [[S0, S0], [S1, S1], [S0, S1], [S1, S0], [R, S0], [S0, R], [P, S0], [S0, P], [P, P],
+               [dt.Partial("max"), P], [P, dt.Partial("min")]]
+    pairs = [(a, b) for a in layouts for b in layouts]
+    run_pairs(mesh2d, pairs, [(0, 4), (3, 1), (7, 5), (2, 9)], check)
+    check.done()
+
+
+def test_3d_tensors_and_a_3d_mesh(check: Checker) -> None:
+    shape = {1: (1, 1, 1), 2: (2, 1, 1), 3: (1, 3, 1), 4: (2, 1, 2)}.get(SIZE, (SIZE, 1, 1))
+    with dt.init_device_mesh("cpu", shape) as mesh:
+        S0, S1, S2, R = dt.Shard(0), dt.Shard(1), dt.Shard(2), dt.Replicate()
+        layouts = [[S0, S1, S2], [S2, S2, S2], [R, S1, S1], [dt.Partial(), S0, R], [S1, R, S0]]
+        run_pairs(mesh, [(a, b) for a in layouts for b in layouts], [(3, 4, 5), (1, 0, 2)], check)
+    check.done()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int16", "int32",
+                                   "int64", "uint8", "bool", "complex64", "complex128"])
+def test_dtypes_move_and_reduce(dtype: str, mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    dt_ = np.dtype(dtype)
+    n = 2 * SIZE + 1
+    if dt_ == np.bool_:
+        full = np.random.default_rng(1).random((n, 3)) < 0.5
+        sources = [[dt.Shard(0)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
+    else:
+        full = (np.abs(integer_full((n, 3), seed=1)) + 10).astype(dt_) if dt_.kind == "u" else integer_full((n, 3), dt_, 1)
+        sources = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")]]
+        if dt_.kind != "c":
+            sources += [[dt.Partial("max")], [dt.Partial("min")]]
+    targets = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
+    for src in sources:
+        if dt_ == np.bool_ and isinstance(src[0], dt.Partial):
+            x = dt.distribute_tensor(full, mesh1d, src)  # the value at coordinate 0, identity elsewhere
+        else:
+            x = dt.DTensor.from_local(make_pieces(full, mesh1d, src), mesh1d, src, shape=full.shape)
+        for dst in targets:
+            y = x.redistribute(placements=dst)
+            check.equal(y.to_torch(), full, f"{dtype} {src} -> {dst}")
+    check.done()
+
+
+def test_float16_sums_are_real_sums(mesh1d: dt.DeviceMesh) -> None:
+    piece = np.full((4,), 0.25, dtype=np.float16)
+    x = dt.DTensor.from_local(piece, mesh1d, [dt.Partial("sum")], shape=(4,))
+    got = x.to_torch()
+    assert got.dtype == np.float16 and np.array_equal(got, np.full(4, 0.25 * SIZE, np.float16))
+
+
+def test_avg_partial(mesh1d: dt.DeviceMesh) -> None:
+    piece = np.full((3,), float(RANK), dtype=np.float64)
+    x = dt.DTensor.from_local(piece, mesh1d, [dt.Partial("avg")], shape=(3,))
+    assert np.allclose(x.to_torch(), np.full(3, (SIZE - 1) / 2))
+    y = dt.distribute_tensor(np.arange(3.0), mesh1d, [dt.Partial("avg")])
+    assert np.array_equal(y.to_local(), np.arange(3.0))
+    assert np.allclose(y.redistribute(placements=[dt.Shard(0)]).to_torch(), np.arange(3.0))
+
+
+def test_comm_counter_bytes(mesh1d: dt.DeviceMesh) -> None:
+    full = np.arange(4 * 11, dtype=np.float32).reshape(4, 11)
+    x = dt.distribute_tensor(full, mesh1d, [dt.Replicate()])
+    with dt.CommCounter() as c:
+        s = x.redistribute(placements=[dt.Shard(1)])
+    assert c.count == 0 and c.bytes_sent == 0 and c.bytes_recv == 0
+    mine = s.to_local().nbytes
+    with dt.CommCounter() as c:
+        r = s.redistribute(placements=[dt.Replicate()])
+    if SIZE == 1:
+        assert c.count == 0
+    else:
+        assert c.kinds() == ["all_gather"]
+        assert (c.bytes_sent, c.bytes_recv) == (mine, full.nbytes - mine)
+        assert c.records[0].mesh_dim == 0
+    assert np.array_equal(r.to_local(), full)
+    with dt.CommCounter() as c:
+        dt.DTensor.from_local(np.ones((4, 11), np.float32), mesh1d, [dt.Partial()], shape=(4, 11)).to_torch()
+    assert c.kinds() == ([] if SIZE == 1 else ["all_reduce"])
+    if SIZE > 1:
+        assert "all_reduce  0             1" in c.table(), c.table()
+
+
+def test_plans_move_the_least(mesh2d: dt.DeviceMesh) -> None:
+    S0, S1, R, P = dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial()
+    kinds = lambda a, b: [s.kind for s in dt.plan_redistribute(a, b)]  # noqa: E731
+    assert kinds((S0,), (R,)) == ["all_gather"]
+    assert kinds((R,), (S1,)) == ["slice"]
+    assert kinds((S0,), (S1,)) == ["all_to_all"]
+    assert kinds((P,), (S0,)) == ["reduce_scatter"]
+    assert kinds((P,), (dt.Partial("max"),)) == ["all_reduce", "to_partial"]
+    # swapping two shards: neither all-to-all order keeps nested splits valid, so one gathers
+    assert kinds((S0, S1), (S1, S0)) == ["all_gather", "all_to_all", "slice"]
+    # undoing a nested shard gathers the inner mesh dim first
+    assert [(s.mesh_dim, s.kind) for s in dt.plan_redistribute((S0, S0), (R, R))] == [
+        (1, "all_gather"), (0, "all_gather")]
+
+
+def test_different_mesh_is_a_clear_error(mesh1d: dt.DeviceMesh) -> None:
+    x = dt.zeros(4, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    with dt.init_device_mesh("cpu", (SIZE, 1)) as other:
+        with pytest.raises(dt.MeshMismatchError, match="another mesh"):
+            x.redistribute(other, [dt.Replicate(), dt.Replicate()])
+    with pytest.raises(dt.PlacementError, match="one placement per mesh dim"):
+        x.redistribute(placements=[dt.Replicate(), dt.Replicate()])
+
+
+def test_async_redistribute_and_gather(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    layouts = [[dt.Shard(0), dt.Shard(1)], [dt.Partial(), dt.Shard(0)], [dt.Shard(0), dt.Shard(0)]]
+    run_pairs(mesh2d, [(a, b) for a in layouts for b in layouts], [(6, 5)], check, async_op=True)
+    full = integer_full((64, 33))
+    x = dt.DTensor.from_local(make_pieces(full, mesh1d, [dt.Partial()]), mesh1d, [dt.Partial()],
+                              shape=full.shape)
+    handle = x.to_torch_async()
+    del x
+    gc.collect()  # the handle alone keeps its buffers alive
+    busy = sum(i * i for i in range(1000))  # local work while the collective runs
+    polls = 0
+    while not handle.done():
+        polls += 1
+    check.equal(handle.wait(), full, "to_torch_async")
+    check.true(handle.done() and busy > 0, "done() after wait()")
+    pending = dt.distribute_tensor(full, mesh1d, [dt.Shard(1)]).redistribute(
+        placements=[dt.Shard(0)], async_op=True)
+    check.equal(pending.to_local(), local_of(full, mesh1d, [dt.Shard(0)]), "async S1->S0 piece")
+    check.done()
+
+
+def test_to_torch_of_replicate_is_the_local_piece(mesh1d: dt.DeviceMesh) -> None:
+    x = dt.ones(3, device_mesh=mesh1d)
+    with dt.CommCounter() as c:
+        full = x.to_torch()
+    assert full is x.to_local() and c.count == 0
+
+
+def test_uneven_gather_sizes_follow_the_split_rule(mesh1d: dt.DeviceMesh) -> None:
+    n = 2 * SIZE + 1
+    x = dt.arange(n, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    sizes = mesh1d.get_group(0).allgather(x.to_local().shape[0])
+    assert tuple(sizes) == split_sizes(n, SIZE)
+    assert np.array_equal(x.to_torch(), np.arange(n))
