@@ -71,3 +71,15 @@ def test_distributions_look_right() -> None:
     assert u32.dtype == np.float32 and u32.max() < 1
     # neighbouring elements are uncorrelated
     assert abs(np.corrcoef(z[:-1], z[1:])[0, 1]) < 0.01
+
+
+def test_normal_matches_the_normal_cdf() -> None:
+    from math import erf, sqrt
+
+    z = np.sort(global_reference("randn", 11, (400_000,), np.dtype(np.float64)))
+    cdf = 0.5 * (1 + np.vectorize(erf)(z / sqrt(2)))
+    n = z.size
+    d = max(np.max(np.arange(1, n + 1) / n - cdf), np.max(cdf - np.arange(n) / n))
+    assert d < 1.63 / np.sqrt(n), f"Kolmogorov-Smirnov D = {d:.5f}"  # 1% level
+    tail = np.mean(np.abs(z) > 3.6541528853610088)  # the Ziggurat's tail region
+    assert abs(tail - 2.5806e-4) < 1.2e-4, tail

@@ -193,8 +193,8 @@ class MPIBackend:
         padded = comm_path() == "padded"
         record("all_to_all", group.mesh_dim, send.nbytes - own_send, out.nbytes - own_recv,
                padded, async_op)
-        if send.size == 0 and out.size == 0:
-            return completed(out)
+        if _all_to_all_is_empty(send.shape, split_axis, split_sizes, concat_axis, concat_sizes):
+            return completed(out)  # decided from group-wide sizes, so every rank skips together
         comm = group.comm
         if padded:
             send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
@@ -421,6 +421,15 @@ def _global_block(
     if concat_axis != split_axis:
         shape[concat_axis] = max(concat_sizes)
     return int(np.prod(shape))
+
+
+def _all_to_all_is_empty(
+    send_shape: tuple[int, ...], split_axis: int, split_sizes: Sequence[int],
+    concat_axis: int, concat_sizes: Sequence[int],
+) -> bool:
+    """True when no rank of the group has anything to send (the same answer on every rank)."""
+    others = [n for i, n in enumerate(send_shape) if i not in (split_axis, concat_axis)]
+    return int(np.prod(others)) == 0 or sum(split_sizes) == 0 or sum(concat_sizes) == 0
 
 
 def _divide(buf: np.ndarray, m: int) -> None:
