@@ -59,7 +59,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--mpiexec", default=os.environ.get("MPIEXEC", "mpiexec"))
     ap.add_argument("--sizes", default="1,2,3,4", help="world sizes; 1 runs without mpiexec")
-    ap.add_argument("--paths", default="variable,padded", help="DTORCH_COMM_PATH values")
+    ap.add_argument("--paths", default="auto,variable,padded", help="DTORCH_COMM_PATH values")
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("pytest_args", nargs="*", default=[])
     args = ap.parse_args()

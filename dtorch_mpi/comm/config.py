@@ -1,8 +1,11 @@
 """Communication settings: which collective path and which backend.
 
-``DTORCH_COMM_PATH``: ``auto`` (default: equal-size collectives when pieces are equal,
-variable-size ``v``/``w`` collectives when they are not), ``padded`` (always pad to equal
-sizes, the path NCCL needs; selectable on CPU so CI exercises it) or ``variable``.
+``DTORCH_COMM_PATH``:
+- ``auto`` (default): equal-size collectives for equal pieces; for unequal contiguous gathers
+  the padded ``Allgather`` (MPICH's beats its ``Allgatherv``, measured in
+  scripts/bench_redistribute.py), otherwise the variable-size ``v``/``w`` collectives.
+- ``padded``: always pad to equal sizes, the path NCCL needs; selectable on CPU so CI runs it.
+- ``variable``: always the variable-size collectives.
 ``DTORCH_GPU_BACKEND``: ``auto`` | ``nccl`` | ``cuda-aware-mpi`` | ``host-staging`` (GPU meshes).
 """
 

@@ -51,15 +51,6 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
     return _cached_type(("vec", itemsize, outer, block, stride), make)
 
 
-def _subarray_type(
-    itemsize: int, shape: tuple[int, ...], subshape: tuple[int, ...], starts: tuple[int, ...]
-) -> MPI.Datatype:
-    return _cached_type(
-        ("sub", itemsize, shape, subshape, starts),
-        lambda: element_type(itemsize).Create_subarray(shape, subshape, starts),
-    )
-
-
 def _contiguous(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
@@ -106,22 +97,21 @@ class MPIBackend:
         offs = offsets(sizes)
         padded = comm_path() == "padded"
         even = len(set(sizes)) == 1
+        padded_route = not even and (padded or (outer == 1 and comm_path() == "auto"))
         record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes,
-               padded and not even, async_op)
+               padded_route, async_op)
         comm = group.comm
-        if even:
-            count = outer * sizes[0] * inner
-            if outer == 1:
-                rtype, rcount = etype, count
-            else:
-                rtype, rcount = _strided_block_type(item, outer, sizes[0] * inner, length * inner), 1
+        if even and outer == 1:
+            count = sizes[0] * inner
             return self._run(
                 async_op,
-                lambda: comm.Allgather([send, count, etype], [out, rcount, rtype]),
-                lambda: comm.Iallgather([send, count, etype], [out, rcount, rtype]),
+                lambda: comm.Allgather([send, count, etype], [out, count, etype]),
+                lambda: comm.Iallgather([send, count, etype], [out, count, etype]),
                 lambda: out, (send, out),
             )
-        if padded:
+        if not even and outer == 1 and comm_path() != "variable":
+            return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
+        if padded and not even:
             mx = max(sizes)
             pad_send = np.zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
@@ -166,6 +156,38 @@ class MPIBackend:
             lambda: out, (send, out, rtypes),
         )
 
+    def _gather_padded_in_place(
+        self, group: Group, send: np.ndarray, out: np.ndarray, sizes: Sequence[int], inner: int,
+        async_op: bool,
+    ) -> Work:
+        """Uneven contiguous gather on the equal-size ``Allgather`` (MPICH's is faster than its
+        ``Allgatherv``): gather padded blocks into a buffer ``m * max`` long, then slide the
+        short blocks down in place. The result is a view of that buffer (at most ``m`` rows
+        longer than ``out``); ``out`` itself is not used."""
+        m = group.size
+        mx = max(sizes) * inner
+        etype = element_type(out.dtype.itemsize)
+        buf = np.empty(m * mx, dtype=out.dtype)
+        pad_send = np.empty(mx, dtype=out.dtype)
+        pad_send[: send.size] = send.reshape(-1)
+        comm = group.comm
+
+        def finish() -> np.ndarray:
+            at = 0
+            for i, n in enumerate(sizes):
+                count = n * inner
+                if at != i * mx:
+                    buf[at : at + count] = buf[i * mx : i * mx + count]
+                at += count
+            return buf[:at].reshape(out.shape)
+
+        return self._run(
+            async_op,
+            lambda: comm.Allgather([pad_send, mx, etype], [buf, mx, etype]),
+            lambda: comm.Iallgather([pad_send, mx, etype], [buf, mx, etype]),
+            finish, (pad_send, buf),
+        )
+
     # -- all-to-all ----------------------------------------------------------------------
     def all_to_all(
         self,
@@ -196,55 +218,46 @@ class MPIBackend:
         if _all_to_all_is_empty(send.shape, split_axis, split_sizes, concat_axis, concat_sizes):
             return completed(out)  # decided from group-wide sizes, so every rank skips together
         comm = group.comm
+        send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
+        recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
+        send_counts = [int(np.prod(b)) for b in send_blocks]
+        recv_counts = [int(np.prod(b)) for b in recv_blocks]
+        # a side whose blocks are already contiguous moves in place, with no copy
+        pack_needed = padded or view3(send.shape, split_axis)[0] > 1
+        unpack_needed = padded or view3(out.shape, concat_axis)[0] > 1
         if padded:
-            send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
-            recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
             width = _global_block(send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
-            pack = np.empty((m, width), dtype=out.dtype)
+            send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
+        else:
+            send_at, recv_at = offsets(send_counts), offsets(recv_counts)
+        pack = np.empty(m * width if padded else send.size, out.dtype) if pack_needed else send.reshape(-1)
+        unpack = np.empty(m * width if padded else out.size, out.dtype) if unpack_needed else out.reshape(-1)
+        if pack_needed:
             for j, (n, o) in enumerate(zip(split_sizes, s_offs)):
-                block = send[(slice(None),) * split_axis + (slice(o, o + n),)]
-                pack[j, : block.size] = block.reshape(-1)
-            unpack = np.empty((m, width), dtype=out.dtype)
+                dst = pack[send_at[j] : send_at[j] + send_counts[j]].reshape(send_blocks[j])
+                dst[...] = send[(slice(None),) * split_axis + (slice(o, o + n),)]
 
-            def finish() -> np.ndarray:
+        def finish() -> np.ndarray:
+            if unpack_needed:
                 for j, (n, o) in enumerate(zip(concat_sizes, c_offs)):
-                    shape = recv_blocks[j]
-                    size = int(np.prod(shape))
-                    out[(slice(None),) * concat_axis + (slice(o, o + n),)] = unpack[j, :size].reshape(shape)
-                return out
+                    src = unpack[recv_at[j] : recv_at[j] + recv_counts[j]].reshape(recv_blocks[j])
+                    out[(slice(None),) * concat_axis + (slice(o, o + n),)] = src
+            return out
 
+        if padded:
             return self._run(
                 async_op,
                 lambda: comm.Alltoall([pack, width, etype], [unpack, width, etype]),
                 lambda: comm.Ialltoall([pack, width, etype], [unpack, width, etype]),
-                finish, (pack, unpack, out),
+                finish, (pack, unpack, send, out),
             )
-        stypes, scounts, rtypes, rcounts = [], [], [], []
-        for n, o in zip(split_sizes, s_offs):
-            sub = with_dim(send.shape, split_axis, n)
-            if send.size and n:
-                starts = with_dim((0,) * send.ndim, split_axis, o)
-                stypes.append(_subarray_type(item, send.shape, sub, starts))
-                scounts.append(1)
-            else:
-                stypes.append(etype)
-                scounts.append(0)
-        for n, o in zip(concat_sizes, c_offs):
-            sub = with_dim(out.shape, concat_axis, n)
-            if out.size and n:
-                starts = with_dim((0,) * out.ndim, concat_axis, o)
-                rtypes.append(_subarray_type(item, out.shape, sub, starts))
-                rcounts.append(1)
-            else:
-                rtypes.append(etype)
-                rcounts.append(0)
-        sspec = [send, (scounts, [0] * m), stypes]
-        rspec = [out, (rcounts, [0] * m), rtypes]
+        sspec = [pack, (send_counts, send_at), etype]
+        rspec = [unpack, (recv_counts, recv_at), etype]
         return self._run(
             async_op,
-            lambda: comm.Alltoallw(sspec, rspec),
-            lambda: comm.Ialltoallw(sspec, rspec),
-            lambda: out, (send, out, stypes, rtypes),
+            lambda: comm.Alltoallv(sspec, rspec),
+            lambda: comm.Ialltoallv(sspec, rspec),
+            finish, (pack, unpack, send, out),
         )
 
     # -- reductions ----------------------------------------------------------------------
