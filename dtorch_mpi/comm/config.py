@@ -1,9 +1,9 @@
 """Communication settings: which collective path and which backend.
 
 ``DTORCH_COMM_PATH``:
-- ``auto`` (default): equal-size collectives for equal pieces; for unequal contiguous gathers
-  the padded ``Allgather`` (MPICH's beats its ``Allgatherv``, measured in
-  scripts/bench_redistribute.py), otherwise the variable-size ``v``/``w`` collectives.
+- ``auto`` (default): equal-size collectives for equal pieces, the variable-size ``v``/``w``
+  collectives for unequal ones (with MPICH, ``Allgatherv`` beats the padded ``Allgather`` up
+  to about 16 MB and loses at 64 MB; see scripts/bench_redistribute.py).
 - ``padded``: always pad to equal sizes, the path NCCL needs; selectable on CPU so CI runs it.
 - ``variable``: always the variable-size collectives.
 ``DTORCH_GPU_BACKEND``: ``auto`` | ``nccl`` | ``cuda-aware-mpi`` | ``host-staging`` (GPU meshes).

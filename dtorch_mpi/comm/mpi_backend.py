@@ -97,9 +97,8 @@ class MPIBackend:
         offs = offsets(sizes)
         padded = comm_path() == "padded"
         even = len(set(sizes)) == 1
-        padded_route = not even and (padded or (outer == 1 and comm_path() == "auto"))
         record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes,
-               padded_route, async_op)
+               padded and not even, async_op)
         comm = group.comm
         if even and outer == 1:
             count = sizes[0] * inner
@@ -109,7 +108,7 @@ class MPIBackend:
                 lambda: comm.Iallgather([send, count, etype], [out, count, etype]),
                 lambda: out, (send, out),
             )
-        if not even and outer == 1 and comm_path() != "variable":
+        if not even and outer == 1 and padded:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
         if padded and not even:
             mx = max(sizes)
@@ -160,9 +159,9 @@ class MPIBackend:
         self, group: Group, send: np.ndarray, out: np.ndarray, sizes: Sequence[int], inner: int,
         async_op: bool,
     ) -> Work:
-        """Uneven contiguous gather on the equal-size ``Allgather`` (MPICH's is faster than its
-        ``Allgatherv``): gather padded blocks into a buffer ``m * max`` long, then slide the
-        short blocks down in place. The result is a view of that buffer (at most ``m`` rows
+        """Uneven contiguous gather on the equal-size ``Allgather`` (the padded path): gather
+        padded blocks into a buffer ``m * max`` long, then slide the short blocks down in place
+        (faster than gathering into a temporary and copying out). The result is a view of that buffer (at most ``m`` rows
         longer than ``out``); ``out`` itself is not used."""
         m = group.size
         mx = max(sizes) * inner
