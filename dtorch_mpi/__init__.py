@@ -21,6 +21,20 @@ from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 from .redistribute import plan_redistribute
 from .split import compute_local_shape_and_offset
+from .ops import ARG_REDUCTIONS as _ARG_REDUCTIONS
+from .ops import BINARY_FUNCTIONS as _BINARY
+from .ops import REDUCTIONS as _REDUCTIONS
+from .ops import UNARY_FUNCTIONS as _UNARY
+from .ops import signature
+from .ops.functions import (astype, cat, clone, flatten, log_softmax, matmul, permute, reshape,
+                            softmax, squeeze, stack, swapaxes, transpose, unsqueeze, where)
+
+globals().update(_UNARY)
+globals().update(_BINARY)
+globals().update(_REDUCTIONS)
+globals().update(_ARG_REDUCTIONS)
+divide, multiply, subtract, negative, power = (  # NumPy spellings
+    _BINARY["truediv"], _BINARY["mul"], _BINARY["sub"], _UNARY["neg"], _BINARY["pow"])
 
 __version__ = "0.1.0"
 
@@ -30,4 +44,8 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
+    "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
+    "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
+    "divide", "multiply", "subtract", "negative", "power",
+    *_UNARY, *_BINARY, *_REDUCTIONS, *_ARG_REDUCTIONS,
 ]

@@ -12,7 +12,7 @@ from .placement import Placement
 from .split import local_shape_and_offset
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=True)
 class DTensorSpec:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -30,6 +30,13 @@ class DTensorSpec:
     @property
     def local_shape(self) -> tuple[int, ...]:
         return self.local_shape_and_offset[0]
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.mesh, self.placements, self.shape, self.dtype))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def with_placements(self, placements: tuple[Placement, ...]) -> "DTensorSpec":
         return DTensorSpec(self.mesh, placements, self.shape, self.dtype)
