@@ -50,9 +50,9 @@ ARG_REDUCTIONS = {
 }
 
 _OPERATORS = {
-    "__add__": lambda a, b: F.binary("add", a, b), "__radd__": lambda a, b: F.binary("add", b, a),
-    "__sub__": lambda a, b: F.binary("sub", a, b), "__rsub__": lambda a, b: F.binary("sub", b, a),
-    "__mul__": lambda a, b: F.binary("mul", a, b), "__rmul__": lambda a, b: F.binary("mul", b, a),
+    "__add__": lambda a, b: F.binary_fast("add", a, b), "__radd__": lambda a, b: F.binary("add", b, a),
+    "__sub__": lambda a, b: F.binary_fast("sub", a, b), "__rsub__": lambda a, b: F.binary("sub", b, a),
+    "__mul__": lambda a, b: F.binary_fast("mul", a, b), "__rmul__": lambda a, b: F.binary("mul", b, a),
     "__truediv__": lambda a, b: F.binary("truediv", a, b),
     "__rtruediv__": lambda a, b: F.binary("truediv", b, a),
     "__floordiv__": lambda a, b: F.binary("floordiv", a, b),

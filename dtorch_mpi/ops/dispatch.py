@@ -8,7 +8,7 @@ rank, so so is the verdict) naming the op, the placements, the rules and a concr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import MeshMismatchError, PlacementError
@@ -33,6 +33,20 @@ class OpPlan:
     prepare: tuple[tuple[Step, ...] | None, ...]
     """Per input: zero-communication slice steps to apply to its local piece (or None)."""
     reduced_sharded: bool = False
+    xp: Any = None
+    out_specs: dict = field(default_factory=dict, compare=False, hash=False)
+    resolved: dict = field(default_factory=dict, compare=False, hash=False)
+    """The op's local function for this plan's array library, resolved on first use."""
+    """Output spec per result dtype, reused across calls (its hash is computed once)."""
+
+    def out_spec(self, dtype: Any) -> DTensorSpec:
+        spec = self.out_specs.get(dtype)
+        if spec is None:
+            import numpy as np
+
+            spec = self.out_specs[dtype] = DTensorSpec(self.mesh, self.placements, self.shape,
+                                                       np.dtype(dtype))
+        return spec
 
 
 def common_mesh(op: str, specs: Sequence[DTensorSpec | None]) -> DeviceMesh:
@@ -81,7 +95,10 @@ def infer(
             prepare.append(None)
         else:
             prepare.append(plan_redistribute(spec.placements, tuple(target)))
-    return OpPlan(mesh, tuple(out), out_shape, tuple(prepare), reduced_sharded)
+    from ..redistribute import array_namespace
+
+    return OpPlan(mesh, tuple(out), out_shape, tuple(prepare), reduced_sharded,
+                  array_namespace(mesh.device_type))
 
 
 def prepared(local: Any, spec: DTensorSpec, steps: tuple[Step, ...] | None) -> Any:

@@ -17,7 +17,6 @@ import numpy as np
 from ..dtensor import DTensor
 from ..errors import PlacementError, ShapeMismatchError
 from ..placement import Partial
-from ..redistribute import array_namespace
 from ..spec import DTensorSpec
 from .dimmaps import (BroadcastMap, IndexMap, JoinMap, MatmulMap, PermuteMap, RemoveDimsMap,
                       ReshapeMap)
@@ -29,8 +28,8 @@ ARG_NAMES = ("a", "b", "c")
 
 # --- operands ------------------------------------------------------------------------------
 def _spec_of(x: Any, op: str) -> DTensorSpec | None:
-    if isinstance(x, DTensor):
-        return x.spec
+    if type(x) is DTensor or isinstance(x, DTensor):
+        return x._spec
     if isinstance(x, (numbers.Number, np.generic)) and not isinstance(x, np.ndarray):
         return None
     if hasattr(x, "shape") and hasattr(x, "dtype"):
@@ -47,11 +46,11 @@ def _local(x: Any) -> Any:
 
 
 def _wrap(local: Any, plan: OpPlan) -> DTensor:
-    return DTensor(local, DTensorSpec(plan.mesh, plan.placements, plan.shape, np.dtype(local.dtype)))
+    return DTensor(local, plan.out_spec(local.dtype))
 
 
 def _xp(plan: OpPlan) -> Any:
-    return array_namespace(plan.mesh.device_type)
+    return plan.xp
 
 
 # --- elementwise ---------------------------------------------------------------------------
@@ -71,14 +70,49 @@ def _plan_elementwise(op: str, specs: tuple[DTensorSpec | None, ...]) -> OpPlan:
     return infer(sig, specs, dmap, out_shape, ARG_NAMES[: len(specs)] if len(specs) > 1 else ("x",))
 
 
+def binary_fast(op: str, a: Any, b: Any) -> DTensor:
+    """The two-operand path of ``elementwise`` with the local function resolved once."""
+    ta, tb = type(a) is DTensor, type(b) is DTensor
+    sa = a._spec if ta else _spec_of(a, op)
+    sb = b._spec if tb else _spec_of(b, op)
+    plan = _plan_elementwise(op, (sa, sb))
+    fn = plan.resolved.get(op)
+    if fn is None:
+        fn = plan.resolved[op] = resolve_local(op, plan.xp)
+    pa, pb = plan.prepare
+    if sa is not None:
+        a = a._local if a._pending is None else a.to_local()
+        if pa is not None:
+            a = prepared(a, sa, pa)
+    if sb is not None:
+        b = b._local if b._pending is None else b.to_local()
+        if pb is not None:
+            b = prepared(b, sb, pb)
+    out = fn(a, b)
+    return DTensor(out, plan.out_spec(out.dtype))
+
+
+def resolve_local(op: str, xp: Any) -> Callable[..., Any]:
+    """The array library's own function for ``op`` (a ufunc where there is one)."""
+    name = _UFUNC_NAMES.get(op)
+    if name is not None:
+        return getattr(xp, name)
+    fn = LOCAL_BINARY[op] if op in LOCAL_BINARY else LOCAL_UNARY[op]
+    return lambda *args, **kw: fn(xp, *args, **kw)
+
+
 def elementwise(op: str, fn: Callable[..., Any], *operands: Any, **kwargs: Any) -> DTensor:
-    specs = tuple(_spec_of(x, op) for x in operands)
+    specs = tuple([_spec_of(x, op) for x in operands])
     plan = _plan_elementwise(op, specs)
-    locals_ = [
-        prepared(_local(x), s, steps) if s is not None else x
-        for x, s, steps in zip(operands, specs, plan.prepare)
-    ]
-    return _wrap(fn(_xp(plan), *locals_, **kwargs), plan)
+    locals_ = []
+    for x, s, steps in zip(operands, specs, plan.prepare):
+        if s is None:
+            locals_.append(x)
+        else:
+            local = x._local if x._pending is None else x.to_local()
+            locals_.append(local if steps is None else prepared(local, s, steps))
+    out = fn(plan.xp, *locals_, **kwargs)
+    return DTensor(out, plan.out_spec(out.dtype))
 
 
 def inplace(op: str, fn: Callable[..., Any], target: DTensor, other: Any) -> DTensor:
@@ -96,7 +130,12 @@ def inplace(op: str, fn: Callable[..., Any], target: DTensor, other: Any) -> DTe
     return target
 
 
-def _ufunc(name: str) -> Callable[..., Any]:
+_UFUNC_NAMES: dict[str, str] = {}
+
+
+def _ufunc(name: str, op: str | None = None) -> Callable[..., Any]:
+    if op is not None:
+        _UFUNC_NAMES[op] = name
     return lambda xp, *args, **kw: getattr(xp, name)(*args, **kw)
 
 
@@ -120,16 +159,16 @@ for _n in ("exp", "expm1", "log", "log1p", "log2", "log10", "sqrt", "tanh", "flo
            "arccos", "sinh", "cosh", "bitwise_not"):
     LOCAL_UNARY[_n] = _ufunc(_n)
 
-LOCAL_BINARY: dict[str, Callable[..., Any]] = {
-    "add": _ufunc("add"), "sub": _ufunc("subtract"), "mul": _ufunc("multiply"),
-    "truediv": _ufunc("true_divide"), "floordiv": _ufunc("floor_divide"), "mod": _ufunc("remainder"),
-    "pow": _ufunc("power"), "maximum": _ufunc("maximum"), "minimum": _ufunc("minimum"),
-    "eq": _ufunc("equal"), "ne": _ufunc("not_equal"), "lt": _ufunc("less"),
-    "le": _ufunc("less_equal"), "gt": _ufunc("greater"), "ge": _ufunc("greater_equal"),
+_BINARY_UFUNCS = {
+    "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "true_divide",
+    "floordiv": "floor_divide", "mod": "remainder", "pow": "power", "maximum": "maximum",
+    "minimum": "minimum", "eq": "equal", "ne": "not_equal", "lt": "less", "le": "less_equal",
+    "gt": "greater", "ge": "greater_equal", "logical_and": "logical_and",
+    "logical_or": "logical_or", "logical_xor": "logical_xor", "bitwise_and": "bitwise_and",
+    "bitwise_or": "bitwise_or", "bitwise_xor": "bitwise_xor", "arctan2": "arctan2", "hypot": "hypot",
 }
-for _n in ("logical_and", "logical_or", "logical_xor", "bitwise_and", "bitwise_or",
-           "bitwise_xor", "arctan2", "hypot"):
-    LOCAL_BINARY[_n] = _ufunc(_n)
+LOCAL_BINARY: dict[str, Callable[..., Any]] = {
+    op: _ufunc(name, op) for op, name in _BINARY_UFUNCS.items()}
 
 
 def unary(op: str, x: Any, **kwargs: Any) -> DTensor:
@@ -137,7 +176,7 @@ def unary(op: str, x: Any, **kwargs: Any) -> DTensor:
 
 
 def binary(op: str, a: Any, b: Any) -> DTensor:
-    return elementwise(op, LOCAL_BINARY[op], a, b)
+    return binary_fast(op, a, b)
 
 
 def where(cond: Any, a: Any, b: Any) -> DTensor:
