@@ -14,11 +14,14 @@ from .errors import (
     PlacementError,
     ShapeMismatchError,
     SPMDDivergenceError,
+    StateDictError,
 )
 from .factory import arange, distribute_tensor, empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
+from . import nn
+from .nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from .redistribute import plan_redistribute
 from .split import compute_local_shape_and_offset
 from .ops import ARG_REDUCTIONS as _ARG_REDUCTIONS
@@ -41,10 +44,10 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError", "CommCounter", "CommRecord", "DTensor", "DTensorError", "DTypeMismatchError",
     "DeviceMesh", "GatherHandle", "MeshMismatchError", "Partial", "Placement", "PlacementError",
-    "Replicate", "SPMDDivergenceError", "Shard", "ShapeMismatchError", "arange",
+    "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
-    "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
+    "nn", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
     "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
     "divide", "multiply", "subtract", "negative", "power",
     *_UNARY, *_BINARY, *_REDUCTIONS, *_ARG_REDUCTIONS,

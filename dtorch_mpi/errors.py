@@ -27,6 +27,10 @@ class MeshMismatchError(DTensorError, ValueError):
     """Operands or targets live on different device meshes, or a rank is not in the mesh."""
 
 
+class StateDictError(DTensorError, ValueError):
+    """A state_dict has missing or unexpected keys, or a value that is not an array."""
+
+
 class CheckpointError(DTensorError, OSError):
     """A checkpoint is missing, truncated, corrupt, foreign, or does not fit its target."""
 
@@ -44,6 +48,7 @@ ERROR_TYPES: dict[str, type[Exception]] = {
         DTypeMismatchError,
         MeshMismatchError,
         CheckpointError,
+        StateDictError,
         SPMDDivergenceError,
         ValueError,
         TypeError,

@@ -1,0 +1,116 @@
+"""Module and Parameter: torch-like containers whose parameters are DTensors."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterator, Mapping
+
+from ..dtensor import DTensor
+
+
+class Parameter(DTensor):
+    """A DTensor registered as a module parameter; used exactly as a DTensor."""
+
+    __slots__ = ()
+
+    def __init__(self, data: DTensor) -> None:
+        if not isinstance(data, DTensor):
+            raise TypeError(f"Parameter wraps a DTensor, got {type(data).__name__}")
+        super().__init__(data.to_local(), data.spec)
+
+    def _replace(self, local: Any, spec: Any) -> None:
+        """Point this parameter at a new piece and spec (used by parallel styles)."""
+        self._local = local
+        self._spec = spec
+        self._pending = None
+
+    def __repr__(self) -> str:
+        return "Parameter" + super().__repr__()[len("DTensor"):]
+
+
+class Module:
+    """Base class: attributes that are Parameters or Modules are registered by assignment."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        params = self.__dict__.get("_parameters")
+        if params is None:
+            raise AttributeError("call Module.__init__() before assigning attributes")
+        if isinstance(value, Parameter):
+            params[name] = value
+            self._modules.pop(name, None)
+        elif isinstance(value, Module):
+            self._modules[name] = value
+            params.pop(name, None)
+        else:
+            params.pop(name, None)
+            self._modules.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def register_parameter(self, name: str, value: Parameter | None) -> None:
+        if value is None:
+            object.__setattr__(self, name, None)
+            return
+        setattr(self, name, value)
+
+    # --- traversal ------------------------------------------------------------------------
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+        yield prefix, self
+        for name, child in self._modules.items():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def modules(self) -> Iterator["Module"]:
+        for _, m in self.named_modules():
+            yield m
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        for mod_name, mod in self.named_modules(prefix):
+            for name, p in mod._parameters.items():
+                yield (f"{mod_name}.{name}" if mod_name else name), p
+
+    def parameters(self) -> Iterator[Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def get_submodule(self, target: str) -> "Module":
+        mod = self
+        for part in target.split(".") if target else []:
+            if part not in mod._modules:
+                raise AttributeError(f"{type(mod).__name__} has no submodule {part!r} (in {target!r})")
+            mod = mod._modules[part]
+        return mod
+
+    # --- state ----------------------------------------------------------------------------
+    def state_dict(self) -> "OrderedDict[str, Parameter]":
+        """Parameter name -> the parameter itself (a DTensor; ``to_torch()`` gathers it)."""
+        return OrderedDict(self.named_parameters())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> "Module":
+        """Load complete values (or DTensors); each rank keeps only its piece. See
+        ``dtorch_mpi.nn.state.load_into``."""
+        from .state import load_into
+
+        load_into(self.state_dict(), state_dict, strict=strict)
+        return self
+
+    # --- calling --------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no forward()")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}({self.extra_repr()}"]
+        for name, child in self._modules.items():
+            body = repr(child).replace("\n", "\n  ")
+            lines.append(f"  ({name}): {body}")
+        if len(lines) == 1:
+            return lines[0] + ")"
+        return "\n".join(lines) + "\n)"

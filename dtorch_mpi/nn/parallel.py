@@ -1,0 +1,139 @@
+"""Tensor-parallel styles and parallelize_module.
+
+A style shards a Linear's parameters (zero bytes move: replicated weights are sliced) and
+wraps its forward so the module boundary declares its layouts: the input is taken as
+``input_layouts`` (a local array is wrapped, a DTensor in another layout is redistributed
+explicitly), and the output is redistributed to ``output_layouts``. That is the only
+communication a style does; ``CommCounter`` shows it (Colwise then Rowwise: one all-reduce).
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..dtensor import DTensor
+from ..mesh import DeviceMesh
+from ..placement import Placement, Replicate, Shard
+from .layers import Linear
+from .module import Module, Parameter
+
+
+class ParallelStyle:
+    input_layouts: Placement
+    output_layouts: Placement
+    use_local_output: bool
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(input_layouts={self.input_layouts!r}, "
+                f"output_layouts={self.output_layouts!r}, use_local_output={self.use_local_output})")
+
+
+def _shard_param(param: Parameter | None, placement: Placement) -> None:
+    if param is None:
+        return
+    moved = param.redistribute(placements=[placement])
+    param._replace(np.ascontiguousarray(moved.to_local()) if isinstance(moved.to_local(), np.ndarray)
+                   else moved.to_local().copy(), moved.spec)
+
+
+def _as_input(x: Any, layout: Placement, mesh: DeviceMesh, in_features: int) -> DTensor:
+    if isinstance(x, DTensor):
+        return x
+    if isinstance(layout, Replicate):
+        return DTensor.from_local(x, mesh, [layout], shape=x.shape)
+    if isinstance(layout, Shard) and layout.dim in (-1, x.ndim - 1):
+        return DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], shape=x.shape[:-1] + (in_features,))
+    return DTensor.from_local(x, mesh, [layout])
+
+
+def _check_linear(module: Module, style: str, mesh: DeviceMesh) -> Linear:
+    if not isinstance(module, Linear):
+        raise TypeError(f"{style} applies to Linear modules, got {type(module).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"{style} needs a 1-D mesh; pass a sub-mesh such as mesh['tp']")
+    return module
+
+
+class ColwiseParallel(ParallelStyle):
+    """Shard a Linear's output features: weight ``Shard(0)``, bias ``Shard(0)``. Input
+    ``Replicate`` by default; output ``Shard(-1)`` (no communication)."""
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = True) -> None:
+        self.input_layouts = input_layouts or Replicate()
+        self.output_layouts = output_layouts or Shard(-1)
+        self.use_local_output = use_local_output
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        lin = _check_linear(module, "ColwiseParallel", mesh)
+        _shard_param(lin.weight, Shard(0))
+        _shard_param(lin.bias, Shard(0))
+
+        def forward(x: Any) -> Any:
+            x = _as_input(x, self.input_layouts, mesh, lin.in_features)
+            if x.placements != (Replicate(),):
+                x = x.redistribute(placements=[Replicate()])
+            y = x @ lin.weight.T
+            if lin.bias is not None:
+                y = y + lin.bias
+            out = _normalise(self.output_layouts, y.ndim)
+            if y.placements != (out,):
+                y = y.redistribute(placements=[out])
+            return y.to_local() if self.use_local_output else y
+
+        object.__setattr__(lin, "forward", forward)
+        return lin
+
+
+class RowwiseParallel(ParallelStyle):
+    """Shard a Linear's input features: weight ``Shard(1)``, bias ``Replicate``. Input
+    ``Shard(-1)`` by default; the partial sums are reduced to ``output_layouts`` (default
+    ``Replicate``: one all-reduce; ``Shard(0)``: one reduce-scatter), then the bias is added."""
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = True) -> None:
+        self.input_layouts = input_layouts or Shard(-1)
+        self.output_layouts = output_layouts or Replicate()
+        self.use_local_output = use_local_output
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        lin = _check_linear(module, "RowwiseParallel", mesh)
+        _shard_param(lin.weight, Shard(1))
+
+        def forward(x: Any) -> Any:
+            x = _as_input(x, self.input_layouts, mesh, lin.in_features)
+            want = Shard(x.ndim - 1)
+            if x.placements != (want,):
+                x = x.redistribute(placements=[want])
+            y = (x @ lin.weight.T).redistribute(placements=[_normalise(self.output_layouts, x.ndim)])
+            if lin.bias is not None:
+                y = y + lin.bias
+            return y.to_local() if self.use_local_output else y
+
+        object.__setattr__(lin, "forward", forward)
+        return lin
+
+
+def _normalise(p: Placement, ndim: int) -> Placement:
+    return Shard(p.dim % ndim) if isinstance(p, Shard) else p
+
+
+def parallelize_module(module: Module, device_mesh: DeviceMesh,
+                       parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle]) -> Module:
+    """Apply styles to submodules named by dotted paths (``*`` wildcards allowed); returns module."""
+    if isinstance(parallelize_plan, ParallelStyle):
+        return parallelize_plan.apply(module, device_mesh)
+    names = [name for name, _ in module.named_modules() if name]
+    for pattern, style in parallelize_plan.items():
+        matched = [n for n in names if fnmatchcase(n, pattern)]
+        if not matched:
+            raise ValueError(f"plan key {pattern!r} matches no submodule; submodules are {names}")
+        for name in matched:
+            style.apply(module.get_submodule(name), device_mesh)
+    return module

@@ -1,0 +1,107 @@
+"""Loading complete values into sharded parameters ("shard on load").
+
+Each value may be a NumPy or CuPy array, a lazily indexable array (an h5py dataset, a
+memory-mapped ``.npy``: anything with ``shape``, ``dtype`` and slicing), or a DTensor. A rank
+reads only its own hyperslab of an array value: ``Shard(d)`` keeps its slice, ``Replicate``
+reads everything, ``Partial`` reads the real value at mesh coordinate 0 and fills the reduce
+op's identity elsewhere (``avg`` keeps the value everywhere: it has no identity). A DTensor
+value is redistributed explicitly to the parameter's placements (same mesh required).
+
+Casts: a value is cast to the parameter's dtype when NumPy calls the cast ``same_kind``
+(float64 -> float32 and int -> float load; float -> int or complex -> float are errors).
+
+Three phases, each agreed across ranks: check every key, shape and dtype; read every piece
+into new arrays; only then copy into the parameters. So a failed load changes no parameter,
+and every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from .._mpi import library_world
+from ..dtensor import DTensor
+from ..dtypes import check_dtype, identity_value
+from ..errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError, StateDictError
+from ..placement import Partial
+from ..redistribute import array_namespace
+from ..spmd import agreed
+from .module import Parameter
+
+
+def load_into(params: Mapping[str, Parameter], values: Mapping[str, Any], strict: bool = True) -> None:
+    world = library_world()
+    with agreed(world):
+        keys = _check(params, values, strict)
+    pieces: dict[str, Any] = {}
+    with agreed(world):
+        for key in keys:
+            pieces[key] = _read_piece(params[key], values[key])
+    for key, piece in pieces.items():
+        param = params[key]
+        local = param.to_local()
+        if local.shape == piece.shape and local.flags.writeable:
+            local[...] = piece
+        else:
+            param._replace(piece, param.spec)
+
+
+def _check(params: Mapping[str, Parameter], values: Mapping[str, Any], strict: bool) -> list[str]:
+    if not isinstance(values, Mapping):
+        raise StateDictError(f"load_state_dict needs a mapping of name -> array, got {type(values).__name__}")
+    missing = [k for k in params if k not in values]
+    unexpected = [k for k in values if k not in params]
+    if strict and (missing or unexpected):
+        raise StateDictError(
+            "state_dict does not match the module: "
+            + (f"missing keys {missing}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected keys {unexpected}" if unexpected else "")
+            + ". Pass strict=False to load a subset."
+        )
+    keys = [k for k in params if k in values]
+    for key in keys:
+        param, value = params[key], values[key]
+        if isinstance(value, DTensor):
+            if value.device_mesh != param.device_mesh:
+                raise MeshMismatchError(f"{key}: the DTensor value lives on another mesh than the parameter")
+        elif not (hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "__getitem__")):
+            raise StateDictError(
+                f"{key}: value is a {type(value).__name__}, not an array; pass a NumPy/CuPy array, "
+                f"an h5py dataset, a memory-mapped array or a DTensor"
+            )
+        shape = tuple(int(s) for s in value.shape)
+        if shape != param.shape:
+            raise ShapeMismatchError(f"{key}: value has shape {shape}, the parameter has {param.shape}")
+        src = check_dtype(value.dtype)
+        if not np.can_cast(src, param.dtype, casting="same_kind"):
+            raise DTypeMismatchError(
+                f"{key}: cannot load {src} into a {param.dtype} parameter (only same-kind casts, "
+                f"e.g. float64 -> float32, are done); cast the value first"
+            )
+    return keys
+
+
+def _read_piece(param: Parameter, value: Any) -> Any:
+    spec = param.spec
+    mesh = spec.mesh
+    xp = array_namespace(mesh.device_type)
+    local_shape, offset = spec.local_shape_and_offset
+    if isinstance(value, DTensor):
+        moved = value.redistribute(placements=param.placements).to_local()
+        return xp.array(moved, dtype=param.dtype, copy=True)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return xp.empty(local_shape, dtype=param.dtype)
+    for k, p in enumerate(param.placements):
+        if isinstance(p, Partial) and p.reduce_op != "avg" and coord[k] != 0:
+            return xp.full(local_shape, identity_value(param.dtype, p.reduce_op), dtype=param.dtype)
+    if int(np.prod(local_shape)) == 0:
+        return xp.empty(local_shape, dtype=param.dtype)
+    index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+    piece = value[index] if index else value[()]
+    if hasattr(piece, "get") and mesh.device_type == "cpu":
+        piece = piece.get()
+    return xp.array(piece, dtype=param.dtype, copy=True).reshape(local_shape)
