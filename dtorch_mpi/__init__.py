@@ -21,6 +21,7 @@ from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 from . import nn
+from .checkpoint import has_parallel_hdf5, load, save
 from .nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from .redistribute import plan_redistribute
 from .split import compute_local_shape_and_offset
@@ -47,7 +48,7 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
-    "nn", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
+    "nn", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
     "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
     "divide", "multiply", "subtract", "negative", "power",
     *_UNARY, *_BINARY, *_REDUCTIONS, *_ARG_REDUCTIONS,
