@@ -171,7 +171,10 @@ def _zig_draw(bits: Any, xp: Any) -> tuple[Any, Any, Any, Any]:
     x = rabs.astype(xp.float64)
     x *= w[layer]
     accepted = rabs < k[layer]
-    xp.negative(x, out=x, where=negative)
+    if xp is np:
+        xp.negative(x, out=x, where=negative)
+    else:  # CuPy ufuncs take no where=
+        x = xp.where(negative, -x, x)
     return x, layer, negative, accepted
 
 
@@ -201,8 +204,7 @@ def _ziggurat_slow(counters: Any, x: Any, layer: Any, negative: Any, xp: Any) ->
         xx = -xp.log(u1) / _ZIG_R
         yy = -xp.log(_open_uniform(c, attempt, _PURPOSE_U2, xp))
         tail_ok = tail & (yy + yy > xx * xx)
-        tail_value = xx + _ZIG_R
-        xp.negative(tail_value, out=tail_value, where=negative)
+        tail_value = xp.where(negative, -(xx + _ZIG_R), xx + _ZIG_R)
         value[tail_ok] = tail_value[tail_ok]
         # wedge (other layers): accept under the density, else draw afresh
         prev = f[xp.maximum(layer - 1, 0)]

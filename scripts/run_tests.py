@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(cmd: list[str], env: dict[str, str], limit: int) -> tuple[int, str]:
-    print(f"\n=== {' '.join(shlex.quote(c) for c in cmd)}  [{env.get('DTORCH_COMM_PATH', 'auto')}]",
+    print(f"\n=== {' '.join(shlex.quote(c) for c in cmd)}  [DTORCH_COMM_PATH={env.get('DTORCH_COMM_PATH', 'auto')}]",
           flush=True)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -61,27 +61,36 @@ def main() -> int:
     ap.add_argument("--sizes", default="1,2,3,4", help="world sizes; 1 runs without mpiexec")
     ap.add_argument("--paths", default="auto,variable,padded", help="DTORCH_COMM_PATH values")
     ap.add_argument("--run-timeout", type=int, default=900)
+    ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
+    ap.add_argument("--phdf5-mpiexec", default="mpiexec")
+    ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_nn.py")
     ap.add_argument("pytest_args", nargs="*", default=[])
     args = ap.parse_args()
     python = sys.executable
     total = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
     bad_runs = []
-    for path in args.paths.split(","):
-        for size in (int(s) for s in args.sizes.split(",")):
+    stacks = [("pip", python, args.mpiexec, args.paths.split(","), args.pytest_args)]
+    if args.phdf5_python:
+        stacks.append(("phdf5", args.phdf5_python, args.phdf5_mpiexec, ["auto"],
+                       args.phdf5_tests.split() + args.pytest_args))
+    runs = [(stack, py, mpx, path, size, extra) for stack, py, mpx, paths, extra in stacks
+            for path in paths for size in (int(s) for s in args.sizes.split(","))]
+    for stack, py, mpiexec, path, size, extra in runs:
+        if True:
             env = dict(os.environ, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1")
-            env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{path}-n{size}")
-            pytest_cmd = [python, "-m", "pytest", "-q", *args.pytest_args]
+            env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{stack}-{path}-n{size}")
+            pytest_cmd = [py, "-m", "pytest", "-q", *extra]
             if size == 1:
                 cmd = pytest_cmd
             else:
-                cmd = [*shlex.split(args.mpiexec), "-n", str(size),
+                cmd = [*shlex.split(mpiexec), "-n", str(size),
                        os.path.join(ROOT, "tests", "rank_wrapper.sh"), *pytest_cmd, "--with-mpi"]
             rc, text = run(cmd, env, args.run_timeout)
             got = counts(text)
             for k in total:
                 total[k] += got[k]
             if rc not in (0,):
-                bad_runs.append(f"{path} n={size} (exit {rc})")
+                bad_runs.append(f"{stack} {path} n={size} (exit {rc})")
                 if got["failed"] == 0 and got["errors"] == 0:
                     total["failed"] += 1
     print()

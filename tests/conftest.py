@@ -12,7 +12,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -22,15 +21,20 @@ WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()
 RANK = WORLD.Get_rank()
 
-settings.register_profile(
-    "spmd",
-    derandomize=True,  # every rank draws the same examples
-    database=None,
-    deadline=None,
-    max_examples=25,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-settings.load_profile("spmd")
+try:  # absent on a bare GPU machine (scripts/gpu_check.sh runs only tests that do not need it)
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "spmd",
+        derandomize=True,  # every rank draws the same examples
+        database=None,
+        deadline=None,
+        max_examples=25,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
+    settings.load_profile("spmd")
+except ImportError:
+    pass
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -51,8 +51,28 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
     return _cached_type(("vec", itemsize, outer, block, stride), make)
 
 
-def _contiguous(a: np.ndarray) -> np.ndarray:
-    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+def _xp(a: Any) -> Any:
+    """The array module of ``a`` (CuPy buffers go to a CUDA-aware MPI as they are)."""
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def _sync_device(buffers: tuple[Any, ...]) -> None:
+    """Finish queued GPU work before MPI reads device memory (mpi4py's DLPack export does not
+    synchronise streams)."""
+    for b in buffers:
+        if type(b).__module__.startswith("cupy"):
+            import cupy
+
+            cupy.cuda.get_current_stream().synchronize()
+            return
+
+
+def _contiguous(a: Any) -> Any:
+    return a if a.flags.c_contiguous else _xp(a).ascontiguousarray(a)
 
 
 class MPIBackend:
@@ -69,6 +89,7 @@ class MPIBackend:
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
     ) -> Work:
+        _sync_device(keep)
         if async_op:
             return Work(nonblocking(), finish, keep)
         blocking()
@@ -112,9 +133,9 @@ class MPIBackend:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
         if padded and not even:
             mx = max(sizes)
-            pad_send = np.zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
+            pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
-            pad_out = np.empty(with_dim(out.shape, axis, m * mx), dtype=out.dtype)
+            pad_out = _xp(out).empty(with_dim(out.shape, axis, m * mx), dtype=out.dtype)
             count = outer * mx * inner
             rtype = etype if outer == 1 else _strided_block_type(item, outer, mx * inner, m * mx * inner)
             rcount = count if outer == 1 else 1
@@ -166,8 +187,8 @@ class MPIBackend:
         m = group.size
         mx = max(sizes) * inner
         etype = element_type(out.dtype.itemsize)
-        buf = np.empty(m * mx, dtype=out.dtype)
-        pad_send = np.empty(mx, dtype=out.dtype)
+        buf = _xp(out).empty(m * mx, dtype=out.dtype)
+        pad_send = _xp(out).empty(mx, dtype=out.dtype)
         pad_send[: send.size] = send.reshape(-1)
         comm = group.comm
 
@@ -229,8 +250,8 @@ class MPIBackend:
             send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
         else:
             send_at, recv_at = offsets(send_counts), offsets(recv_counts)
-        pack = np.empty(m * width if padded else send.size, out.dtype) if pack_needed else send.reshape(-1)
-        unpack = np.empty(m * width if padded else out.size, out.dtype) if unpack_needed else out.reshape(-1)
+        pack = _xp(out).empty(m * width if padded else send.size, out.dtype) if pack_needed else send.reshape(-1)
+        unpack = _xp(out).empty(m * width if padded else out.size, out.dtype) if unpack_needed else out.reshape(-1)
         if pack_needed:
             for j, (n, o) in enumerate(zip(split_sizes, s_offs)):
                 dst = pack[send_at[j] : send_at[j] + send_counts[j]].reshape(send_blocks[j])
@@ -272,8 +293,8 @@ class MPIBackend:
             return completed(out)
         record("all_reduce", group.mesh_dim, send.nbytes, out.nbytes, False, async_op)
         wide = WIDENED.get(out.dtype)
-        src = np.ascontiguousarray(send, dtype=wide or out.dtype)
-        dst = out if wide is None else np.empty(out.shape, dtype=wide)
+        src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
+        dst = out if wide is None else _xp(out).empty(out.shape, dtype=wide)
         mtype, op = reduction_type(dst.dtype), reduction_op(dst.dtype, reduce_op)
         comm = group.comm
 
@@ -319,16 +340,16 @@ class MPIBackend:
         width = max(sizes) if padded else None
         src3 = _contiguous(send).reshape(outer, length, inner)
         if outer == 1 and not padded:
-            pack = np.ascontiguousarray(send, dtype=dtype).reshape(-1)
+            pack = _xp(out).ascontiguousarray(send, dtype=dtype).reshape(-1)
         else:
             blocks = [outer * (width or n) * inner for n in sizes]
-            pack = np.zeros(sum(blocks), dtype=dtype) if padded else np.empty(sum(blocks), dtype=dtype)
+            pack = _xp(out).zeros(sum(blocks), dtype=dtype) if padded else _xp(out).empty(sum(blocks), dtype=dtype)
             start = 0
             for n, o, b in zip(sizes, offs, blocks):
                 pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]
                 start += b
         direct = wide is None and not padded and out.flags.c_contiguous
-        dst = out if direct else np.empty(outer * (width or sizes[me]) * inner, dtype=dtype)
+        dst = out if direct else _xp(out).empty(outer * (width or sizes[me]) * inner, dtype=dtype)
         comm = group.comm
         counts = [outer * n * inner for n in sizes]
 
@@ -393,17 +414,17 @@ class MPIBackend:
         if me == root:
             assert send is not None
             outer, length, inner = view3(send.shape, axis)
-            src3 = np.ascontiguousarray(send).reshape(outer, length, inner)
+            src3 = _xp(out).ascontiguousarray(send).reshape(outer, length, inner)
             blocks = [outer * (width if padded else n) * inner for n in sizes]
-            pack = np.empty(sum(blocks), dtype=out.dtype)
+            pack = _xp(out).empty(sum(blocks), dtype=out.dtype)
             start = 0
             for n, o, b in zip(sizes, offs, blocks):
                 pack[start : start + b].reshape(outer, width if padded else n, inner)[:, :n, :] = src3[:, o : o + n, :]
                 start += b
         else:
             outer, _, inner = view3(out.shape, axis)
-            pack = np.empty(0, dtype=out.dtype)
-        recv = np.empty(outer * (width if padded else sizes[me]) * inner, dtype=out.dtype)
+            pack = _xp(out).empty(0, dtype=out.dtype)
+        recv = _xp(out).empty(outer * (width if padded else sizes[me]) * inner, dtype=out.dtype)
         comm = group.comm
 
         def finish() -> np.ndarray:

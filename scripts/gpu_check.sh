@@ -1,0 +1,53 @@
+#!/bin/bash
+# GPU check for dtorch_mpi on a machine with one NVIDIA GPU and no internet.
+# Needs CuPy and mpi4py (NCCL optional); an `mpiexec` on PATH, or the `mpich` wheel carried
+# along as a file: MPICH_WHEEL=/path/to/mpich-*.whl scripts/gpu_check.sh
+# Runs the GPU tests at world size 1 and with 2 ranks sharing the GPU over host staging (NCCL
+# refuses two ranks on one GPU, so nothing here depends on it), plus a short GPU benchmark,
+# and prints a summary. Bounded to 5 minutes in all.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+DEADLINE=$(( $(date +%s) + 290 ))
+LOG=${GPU_CHECK_LOG:-/tmp/dtorch_gpu_check}
+mkdir -p "$LOG"
+summary=()
+
+left() { echo $(( DEADLINE - $(date +%s) )); }
+step() {  # step NAME LIMIT CMD...
+  local name=$1 limit=$2; shift 2
+  local budget; budget=$(left)
+  [ "$budget" -lt "$limit" ] && limit=$budget
+  if [ "$limit" -le 5 ]; then summary+=("$name: SKIPPED (out of time)"); return; fi
+  echo "=== $name (limit ${limit}s)"
+  if timeout "$limit" "$@" > "$LOG/$name.log" 2>&1; then
+    summary+=("$name: PASS  $(grep -E 'passed|failed' "$LOG/$name.log" | tail -1)")
+  else
+    summary+=("$name: FAIL (exit $?)  see $LOG/$name.log")
+  fi
+  tail -15 "$LOG/$name.log"
+}
+
+nvidia-smi -L 2>/dev/null || echo "nvidia-smi not found"
+if ! $PY -c "import cupy; n = cupy.cuda.runtime.getDeviceCount(); print('CuPy', cupy.__version__, n, 'GPU(s)'); assert n > 0"; then
+  echo "CuPy with a visible GPU is required"; exit 1
+fi
+$PY -c "import cupy.cuda.nccl; print('NCCL available')" 2>/dev/null || echo "NCCL not available (not needed here)"
+if ! command -v mpiexec >/dev/null 2>&1 && [ -n "${MPICH_WHEEL:-}" ]; then
+  $PY -m pip install --no-index --no-deps "$MPICH_WHEEL"
+fi
+MPIEXEC=${MPIEXEC:-$(command -v mpiexec || echo "$(dirname "$($PY -c 'import sys; print(sys.executable)')")/mpiexec")}
+PYTEST_MPI=""
+$PY -c "import pytest_mpi" 2>/dev/null && PYTEST_MPI="--with-mpi"
+
+step gpu-tests-1-rank 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py
+step gpu-tests-2-ranks-host-staging 120 env DTORCH_GPU_BACKEND=host-staging DTORCH_TEST_ALL_OUTPUT=1 \
+  "$MPIEXEC" -n 2 tests/rank_wrapper.sh $PY -m pytest -q -p no:cacheprovider $PYTEST_MPI tests/test_gpu.py
+step gpu-benchmark-2-ranks 60 env DTORCH_GPU_BACKEND=host-staging "$MPIEXEC" -n 2 $PY scripts/bench_gpu.py
+
+echo
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
+grep -E "ratio|S\(0\)|P->R" "$LOG/gpu-benchmark-2-ranks.log" 2>/dev/null
+! printf '%s\n' "${summary[@]}" | grep -q FAIL
