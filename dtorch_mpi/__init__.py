@@ -20,6 +20,7 @@ from .factory import arange, distribute_tensor, empty, full, ones, rand, randn, 
 from .mesh import DeviceMesh, init_device_mesh
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
+from .visualize import sharding_table, visualize_sharding
 from . import nn
 from .checkpoint import has_parallel_hdf5, load, save
 from .nn import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -48,7 +49,7 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
-    "nn", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
+    "sharding_table", "visualize_sharding", "nn", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
     "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
     "divide", "multiply", "subtract", "negative", "power",
     *_UNARY, *_BINARY, *_REDUCTIONS, *_ARG_REDUCTIONS,

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _launch(case: str, extra: list[str], limit: int) -> tuple[int, str, float]:
-    env = dict(os.environ, DTORCH_TEST_ALL_OUTPUT="1")
+def _launch(case: str, extra: list[str], limit: int, **env_extra: str) -> tuple[int, str, float]:
+    env = dict(os.environ, DTORCH_TEST_ALL_OUTPUT="1", **env_extra)
     cmd = [*MPIEXEC.split(), "-n", "2", os.path.join(HERE, "rank_wrapper.sh"), sys.executable,
            "-m", "pytest", "-q", "--with-mpi", "-p", "no:randomly",
            os.path.join(HERE, "harness_cases", case), *extra]
@@ -44,3 +44,11 @@ def test_a_hung_rank_ends_the_run() -> None:
     assert rc != 0
     assert "Timeout" in out, out
     assert elapsed < 60, f"the run took {elapsed:.0f}s"
+
+
+def test_spmd_debug_mode_names_a_planted_divergence() -> None:
+    rc, out, elapsed = _launch("case_divergent_collectives.py", ["--timeout=20", "-s"], 120,
+                               DTORCH_SPMD_DEBUG="1")
+    assert rc == 0, out
+    assert "group rank 0: all_gather" in out and "group rank 1: all_to_all" in out, out
+    assert elapsed < 60

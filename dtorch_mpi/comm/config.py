@@ -33,3 +33,20 @@ def set_comm_path(path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"DTORCH_COMM_PATH={path!r} is not one of {', '.join(PATHS)}")
     _path = path
+
+
+_debug: bool | None = None
+
+
+def spmd_debug() -> bool:
+    """``DTORCH_SPMD_DEBUG=1``: every collective first checks that all ranks of its group make
+    the same call (kind, shapes, dtype), raising ``SPMDDivergenceError`` instead of hanging."""
+    global _debug
+    if _debug is None:
+        _debug = os.environ.get("DTORCH_SPMD_DEBUG", "") not in ("", "0")
+    return _debug
+
+
+def set_spmd_debug(on: bool) -> None:
+    global _debug
+    _debug = bool(on)

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import WIDENED, element_type, reduction_op, reduction_type
-from .config import comm_path
+from .config import comm_path, spmd_debug
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
@@ -49,6 +49,36 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
         return resized
 
     return _cached_type(("vec", itemsize, outer, block, stride), make)
+
+
+_DEBUG_BYTES = 240
+
+
+def check_same_call(group: Group, description: str) -> None:
+    """SPMD debug mode: all ranks of ``group`` must be making the same collective call."""
+    if group.size == 1:
+        return
+    mine = np.zeros(_DEBUG_BYTES, dtype=np.uint8)
+    raw = description.encode()[:_DEBUG_BYTES]
+    mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    table = np.empty((group.size, _DEBUG_BYTES), dtype=np.uint8)
+    group.comm.Allgather(mine, table)
+    calls = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
+    if len(set(calls)) > 1:
+        from ..errors import SPMDDivergenceError
+
+        dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
+        raise SPMDDivergenceError(
+            f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"
+            + "\n".join(f"  group rank {r}: {c}" for r, c in enumerate(calls))
+            + "\nEvery rank must run the same sequence of collective operations."
+        )
+
+
+def _describe(kind: str, *arrays: Any, **extra: Any) -> str:
+    shapes = ", ".join(f"{tuple(a.shape)}:{a.dtype}" for a in arrays if a is not None)
+    more = "".join(f", {k}={v}" for k, v in extra.items())
+    return f"{kind}({shapes}{more})"
 
 
 def _xp(a: Any) -> Any:
@@ -106,6 +136,8 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
+        if spmd_debug():
+            check_same_call(group, _describe("all_gather", out, axis=axis))
         m, me = group.size, group.rank
         if m == 1 or out.size == 0:
             if m == 1:
@@ -222,6 +254,9 @@ class MPIBackend:
     ) -> Work:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
+        if spmd_debug():
+            check_same_call(group, _describe("all_to_all", None, split=split_axis, concat=concat_axis,
+                                             dtype=out.dtype))
         m, me = group.size, group.rank
         if m == 1:
             out[...] = send
@@ -286,6 +321,8 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
+        if spmd_debug():
+            check_same_call(group, _describe("all_reduce", out, op=reduce_op))
         m = group.size
         if m == 1 or out.size == 0:
             if m == 1:
@@ -323,6 +360,8 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """Reduce every rank's ``send``; rank ``i`` keeps block ``i`` along ``axis`` in ``out``."""
+        if spmd_debug():
+            check_same_call(group, _describe("reduce_scatter", send, axis=axis, op=reduce_op))
         m, me = group.size, group.rank
         if m == 1:
             out[...] = send
@@ -373,6 +412,8 @@ class MPIBackend:
     # -- one-to-all ----------------------------------------------------------------------
     def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
         """Copy ``buf`` from group rank ``root`` to every rank, in place."""
+        if spmd_debug():
+            check_same_call(group, _describe("broadcast", buf, root=root))
         if group.size == 1 or buf.size == 0:
             return completed(buf)
         me = group.rank
@@ -398,6 +439,8 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """Rank ``i`` receives block ``i`` along ``axis`` of the root's ``send``."""
+        if spmd_debug():
+            check_same_call(group, _describe("scatter", None, axis=axis, root=root, dtype=out.dtype))
         m, me = group.size, group.rank
         if m == 1:
             assert send is not None
