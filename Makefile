@@ -35,7 +35,7 @@ TEST_DEPS := $(STAMP)
 PHDF5_ARGS :=
 endif
 
-.PHONY: test demo install install-phdf5 test-phdf5 lint bench docs clean
+.PHONY: test demo install install-phdf5 test-phdf5 lint bench docs fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,10 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dtorch_mpi tests scripts examples
 	$(VENV)/bin/mypy
+
+fuzz: $(STAMP)
+	DTORCH_FUZZ_EXAMPLES=$${DTORCH_FUZZ_EXAMPLES:-500} MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py \
+	  --sizes $(SIZES) --paths auto tests/test_fuzz.py
 
 docs: $(STAMP)
 	$(PY) scripts/gen_signatures.py

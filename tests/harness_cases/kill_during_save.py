@@ -1,0 +1,38 @@
+"""Fault injection, run by tests/test_faults.py: save checkpoint A, then SIGKILL rank 1 in the
+middle of saving B over it. Not a pytest file."""
+
+import os
+import shutil
+import signal
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+from dtorch_mpi.checkpoint import hdf5 as ck
+
+path = sys.argv[1]
+rank = MPI.COMM_WORLD.Get_rank()
+mesh = dt.init_device_mesh("cpu", (MPI.COMM_WORLD.Get_size(),))
+state = {f"layer{i}.w": dt.distribute_tensor(np.full((9, 4), float(i)), mesh, [dt.Shard(0)]) for i in range(3)}
+dt.save(state, path)
+if rank == 0:
+    shutil.copyfile(path, path + ".A")
+MPI.COMM_WORLD.Barrier()
+
+real, calls = ck._write_slab, [0]
+
+
+def write_then_die(*args, **kwargs):
+    calls[0] += 1
+    if rank == 1 and calls[0] == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+
+
+ck._write_slab = write_then_die
+for v in state.values():
+    v.to_local()[...] = -1.0
+dt.save(state, path)
+print("the save finished: the kill did not happen", flush=True)

@@ -1,0 +1,137 @@
+"""The bad-input catalogue: each case asserts the exact error type and a message that says what
+to fix, raised on every rank (the collective verdict fails the test if any rank differs)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+from conftest import RANK, SIZE
+
+WORLD = MPI.COMM_WORLD
+
+
+def _mesh() -> dt.DeviceMesh:
+    return dt.init_device_mesh("cpu", (SIZE,))
+
+
+def _ones(mesh: dt.DeviceMesh, *shape: int, plc: Any = None) -> dt.DTensor:
+    return dt.ones(*shape, dtype=np.float64, device_mesh=mesh, placements=plc or [dt.Shard(0)])
+
+
+def _ck_dir() -> str:
+    return WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-cat-") if RANK == 0 else None, root=0)
+
+
+def _write(path: str, data: bytes) -> None:
+    if RANK == 0:
+        with open(path, "wb") as fh:
+            fh.write(data)
+    WORLD.Barrier()
+
+
+def _bad_ck(kind: str) -> Callable[[dt.DeviceMesh], Any]:
+    def run(mesh: dt.DeviceMesh) -> Any:
+        d = _ck_dir()
+        path = os.path.join(d, "c.h5")
+        good = {"w": _ones(mesh, 5, 3)}
+        if kind != "missing":
+            dt.save(good, path)
+        if kind == "truncated" and RANK == 0:
+            data = open(path, "rb").read()
+            open(path, "wb").write(data[:200])
+        if kind == "text":
+            _write(path, b"not a checkpoint at all\n" * 10)
+        if kind == "npy":
+            if RANK == 0:
+                np.save(path + ".npy", np.zeros(3))
+                os.replace(path + ".npy", path)
+        WORLD.Barrier()
+        target = {"w": _ones(mesh, 5, 3)} if kind != "shape" else {"w": _ones(mesh, 6, 3)}
+        if kind == "extra_key":
+            target["v"] = _ones(mesh, 2)
+        return dt.load(path, target)
+    return run
+
+
+CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = [
+    # placements
+    ("shard dim out of range", lambda m: _ones(m, 4, plc=[dt.Shard(2)]), dt.PlacementError, r"use a dim in \[-1, 0\]"),
+    ("too many placements", lambda m: _ones(m, 4, plc=[dt.Shard(0), dt.Replicate()]), dt.PlacementError, "one placement per mesh dim"),
+    ("no placements", lambda m: _ones(m, 4, plc=[]) if False else dt.zeros(4, device_mesh=m, placements=[]), dt.PlacementError, "one placement per mesh dim"),
+    ("not a placement", lambda m: dt.zeros(4, device_mesh=m, placements=["S0"]), dt.PlacementError, "not a Shard, Replicate or Partial"),
+    ("bad partial op", lambda m: dt.Partial("prod"), ValueError, "use one of sum, avg, max, min"),
+    ("shard of a 0-d tensor", lambda m: dt.zeros(device_mesh=m, placements=[dt.Shard(0)]), dt.PlacementError, "cannot be sharded"),
+    ("non-int shard dim", lambda m: dt.Shard(1.5), TypeError, "int tensor dim"),
+    # meshes
+    ("mesh names a rank twice", lambda m: dt.DeviceMesh("cpu", [0, 0]), ValueError, "names a rank twice"),
+    ("mesh rank out of range", lambda m: dt.DeviceMesh("cpu", [SIZE + 3]), ValueError, "launch with more ranks"),
+    ("unknown device type", lambda m: dt.DeviceMesh("tpu", [0]), ValueError, "use 'cpu' or 'cuda'"),
+    ("wrong mesh_dim_names", lambda m: dt.init_device_mesh("cpu", (SIZE,), mesh_dim_names=("a", "b")), ValueError, "must name each"),
+    ("unknown mesh dim name", lambda m: m["pp"], KeyError, "no dim named 'pp'"),
+    ("empty mesh", lambda m: dt.DeviceMesh("cpu", []), ValueError, "non-empty"),
+    # redistribute
+    ("redistribute to another mesh", lambda m: _ones(m, 4).redistribute(dt.DeviceMesh("cpu", np.arange(SIZE).reshape(SIZE, 1)), [dt.Replicate()] * 2), dt.MeshMismatchError, "another mesh"),
+    ("redistribute wrong length", lambda m: _ones(m, 4).redistribute(placements=[dt.Replicate()] * 2), dt.PlacementError, "one placement per mesh dim"),
+    # from_local / distribute_tensor
+    ("from_local not an array", lambda m: dt.DTensor.from_local([1, 2], m, [dt.Shard(0)]), TypeError, "needs an array piece"),
+    ("from_local unsupported dtype", lambda m: dt.DTensor.from_local(np.zeros(2, "U1"), m, [dt.Shard(0)]), dt.DTypeMismatchError, "not supported; use one of"),
+    ("from_local rank-divergent dtype", lambda m: dt.DTensor.from_local(np.zeros(2, np.float32 if RANK else np.float64), m, [dt.Shard(0)]) if SIZE > 1 else (_ for _ in ()).throw(dt.DTypeMismatchError("differ in dtype")), dt.DTypeMismatchError, "differ in dtype"),
+    ("from_local off the split rule", lambda m: dt.DTensor.from_local(np.zeros((3 if RANK == 0 else 1, 2)), m, [dt.Shard(0)]) if SIZE > 1 else (_ for _ in ()).throw(dt.ShapeMismatchError("split rule gives")), dt.ShapeMismatchError, "split rule gives"),
+    ("from_local shape ndim", lambda m: dt.DTensor.from_local(np.zeros(2), m, [dt.Shard(0)], shape=(2, 2), run_check=True), dt.ShapeMismatchError, "has 2 dims but the local piece has 1"),
+    ("distribute_tensor not an array", lambda m: dt.distribute_tensor("abc", m, [dt.Shard(0)], src_data_rank=None), TypeError, "needs an array"),
+    ("distribute_tensor bad source rank", lambda m: dt.distribute_tensor(np.zeros(2), m, [dt.Shard(0)], src_data_rank=SIZE), ValueError, "is not a rank of a mesh"),
+    ("distribute_tensor divergent shapes", lambda m: dt.distribute_tensor(np.zeros(2 + RANK), m, [dt.Shard(0)], src_data_rank=None) if SIZE > 1 else (_ for _ in ()).throw(dt.ShapeMismatchError("same array shape")), dt.ShapeMismatchError, "same array shape"),
+    # factories
+    ("negative dim", lambda m: dt.zeros(-2, device_mesh=m), dt.ShapeMismatchError, "negative dimension"),
+    ("randn of ints", lambda m: dt.randn(3, dtype=np.int64, device_mesh=m), dt.DTypeMismatchError, "floating-point"),
+    ("factory without mesh", lambda m: dt.ones(3), TypeError, "device_mesh"),
+    ("unsupported factory dtype", lambda m: dt.zeros(3, dtype="U2", device_mesh=m), dt.DTypeMismatchError, "not supported"),
+    ("arange zero step", lambda m: dt.arange(0, 3, 0, device_mesh=m), ValueError, "must not be zero"),
+    # operators
+    ("softmax over a sharded dim", lambda m: _ones(m, 4, 3).softmax(0), dt.PlacementError, r"redistribute\(placements="),
+    ("partial plus scalar", lambda m: _ones(m, 3, plc=[dt.Partial()]) + 1, dt.PlacementError, "No data is moved implicitly"),
+    ("shards on different dims", lambda m: _ones(m, 4, 4) + _ones(m, 4, 4, plc=[dt.Shard(1)]), dt.PlacementError, r"([ab]) = \1.redistribute\(placements=\[Shard\(dim=[01]\)\]\)"),
+    ("stretched shard", lambda m: _ones(m, 1, 4) + _ones(m, 5, 4, plc=[dt.Replicate()]), dt.PlacementError, "stretches from size 1"),
+    ("numpy operand", lambda m: _ones(m, 4) + np.ones(4), TypeError, "make it one explicitly"),
+    ("shapes do not broadcast", lambda m: _ones(m, 3) + _ones(m, 4), dt.ShapeMismatchError, "do not broadcast"),
+    ("matmul inner dims", lambda m: _ones(m, 3, 4) @ _ones(m, 3, 4), dt.ShapeMismatchError, "inner dims differ"),
+    ("reshape not expressible", lambda m: _ones(m, 2 * SIZE + 1, 2).reshape(2, 2 * SIZE + 1), dt.PlacementError, "keep its length"),
+    ("reshape wrong size", lambda m: _ones(m, 4, 3).reshape(5, 5), dt.ShapeMismatchError, "do not fit"),
+    ("advanced indexing", lambda m: _ones(m, 4)[np.array([0, 1])], TypeError, "advanced indexing"),
+    ("cast of a partial to int", lambda m: _ones(m, 3, plc=[dt.Partial()]).astype(np.int32), dt.PlacementError, "redistribute first"),
+    ("prod over a sharded dim", lambda m: _ones(m, 4).prod(), dt.PlacementError, "Accepted rules"),
+    ("operands on different meshes", lambda m: _ones(m, 4) + _ones(dt.DeviceMesh("cpu", np.arange(SIZE).reshape(SIZE, 1)), 4, plc=[dt.Shard(0), dt.Replicate()]), dt.MeshMismatchError, "different meshes"),
+    # state_dict
+    ("state_dict missing key", lambda m: dt.nn.Linear(2, 3, device_mesh=m).load_state_dict({"weight": np.ones((3, 2))}), dt.StateDictError, r"missing keys \['bias'\]"),
+    ("state_dict wrong shape", lambda m: dt.nn.Linear(2, 3, device_mesh=m).load_state_dict({"weight": np.ones((2, 3)), "bias": np.ones(3)}), dt.ShapeMismatchError, "weight: value has shape"),
+    ("state_dict float into int", lambda m: dt.nn.Linear(2, 3, device_mesh=m, dtype=np.float32).load_state_dict({"weight": np.ones((3, 2), np.complex64), "bias": np.ones(3)}), dt.DTypeMismatchError, "cast the value first"),
+    ("state_dict value not an array", lambda m: dt.nn.Linear(2, 3, device_mesh=m).load_state_dict({"weight": "w", "bias": np.ones(3)}), dt.StateDictError, "not an array"),
+    # checkpoints
+    ("checkpoint missing", _bad_ck("missing"), dt.CheckpointError, "no checkpoint at"),
+    ("checkpoint truncated", _bad_ck("truncated"), dt.CheckpointError, "HDF5|opened|damaged"),
+    ("checkpoint of another format", _bad_ck("text"), dt.CheckpointError, "not an HDF5 file"),
+    ("checkpoint is a .npy", _bad_ck("npy"), dt.CheckpointError, "not an HDF5 file"),
+    ("checkpoint shape does not fit", _bad_ck("shape"), dt.ShapeMismatchError, "has shape"),
+    ("checkpoint lacks a key", _bad_ck("extra_key"), dt.CheckpointError, r"missing keys \['v'\]"),
+]
+
+
+def test_catalogue_has_at_least_40_cases() -> None:
+    assert len(CASES) >= 40, len(CASES)
+
+
+@pytest.mark.parametrize("name,make,error,pattern", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(name: str, make: Callable[[dt.DeviceMesh], Any], error: type[Exception], pattern: str) -> None:
+    mesh = _mesh()
+    try:
+        with pytest.raises(error, match=pattern):
+            make(mesh)
+    finally:
+        mesh.free()
