@@ -4,6 +4,8 @@ A DTensor is one global array whose pieces live on the MPI ranks of a DeviceMesh
 placement per mesh dim: ``Shard(dim)``, ``Replicate()`` or ``Partial(op)``.
 """
 
+from . import nn
+from .checkpoint import has_parallel_hdf5, load, save
 from .comm import CommCounter, CommRecord, set_comm_path
 from .dtensor import DTensor, GatherHandle
 from .errors import (
@@ -18,21 +20,34 @@ from .errors import (
 )
 from .factory import arange, distribute_tensor, empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
-from .placement import Partial, Placement, Replicate, Shard
-from .random import manual_seed
-from .visualize import sharding_table, visualize_sharding
-from . import nn
-from .checkpoint import has_parallel_hdf5, load, save
 from .nn import ColwiseParallel, RowwiseParallel, parallelize_module
-from .redistribute import plan_redistribute
-from .split import compute_local_shape_and_offset
 from .ops import ARG_REDUCTIONS as _ARG_REDUCTIONS
 from .ops import BINARY_FUNCTIONS as _BINARY
 from .ops import REDUCTIONS as _REDUCTIONS
 from .ops import UNARY_FUNCTIONS as _UNARY
 from .ops import signature
-from .ops.functions import (astype, cat, clone, flatten, log_softmax, matmul, permute, reshape,
-                            softmax, squeeze, stack, swapaxes, transpose, unsqueeze, where)
+from .ops.functions import (
+    astype,
+    cat,
+    clone,
+    flatten,
+    log_softmax,
+    matmul,
+    permute,
+    reshape,
+    softmax,
+    squeeze,
+    stack,
+    swapaxes,
+    transpose,
+    unsqueeze,
+    where,
+)
+from .placement import Partial, Placement, Replicate, Shard
+from .random import manual_seed
+from .redistribute import plan_redistribute
+from .split import compute_local_shape_and_offset
+from .visualize import sharding_table, visualize_sharding
 
 globals().update(_UNARY)
 globals().update(_BINARY)
@@ -52,5 +67,5 @@ __all__ = [
     "sharding_table", "visualize_sharding", "nn", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
     "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
     "divide", "multiply", "subtract", "negative", "power",
-    *_UNARY, *_BINARY, *_REDUCTIONS, *_ARG_REDUCTIONS,
 ]
+__all__.extend(sorted(_UNARY) + sorted(_BINARY) + sorted(_REDUCTIONS) + sorted(_ARG_REDUCTIONS))

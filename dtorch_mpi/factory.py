@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -193,7 +194,7 @@ def distribute_tensor(
             meta[0], meta[1] = array.ndim, dtype_code(array.dtype)
             meta[2 : 2 + array.ndim] = array.shape
             normalize_placements(placements, mesh.ndim, array.ndim)
-        except Exception as exc:  # noqa: BLE001 - agreed below
+        except Exception as exc:
             problem = exc
     with agreed(comm):
         if problem is not None:

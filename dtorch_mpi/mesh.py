@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -41,7 +42,8 @@ class DeviceMesh:
             tuple(int(c) for c in where[0]) if len(where) else None
         )
         self._owns_comms = True
-        self._comm = world.Split(
+        self._parent: DeviceMesh | None = None
+        self._comm: MPI.Intracomm = world.Split(  # type: ignore[assignment]
             0 if self._coordinate is not None else MPI.UNDEFINED,
             int(np.ravel_multi_index(self._coordinate, array.shape)) if self._coordinate else 0,
         )
@@ -54,7 +56,7 @@ class DeviceMesh:
                 rest_shape = tuple(n for i, n in enumerate(array.shape) if i != k)
                 color = int(np.ravel_multi_index(rest, rest_shape)) if rest else 0
                 key = self._coordinate[k]
-            self._groups.append(world.Split(color, key))
+            self._groups.append(world.Split(color, key))  # type: ignore[arg-type]
         if device_type == "cuda" and self._coordinate is not None:
             _select_gpu()
 
@@ -118,7 +120,7 @@ class DeviceMesh:
     def get_comm(self) -> MPI.Intracomm:
         """The communicator of all ranks of the mesh (``COMM_NULL`` outside it)."""
         self._check_alive()
-        return self._comm
+        return self._comm  # type: ignore[return-value]
 
     def __getitem__(self, name: str | int) -> "DeviceMesh":
         return DeviceMesh._sub(self, self._dim_index(name))
@@ -162,7 +164,7 @@ class DeviceMesh:
         return mesh_dim % self.ndim
 
     def _check_alive(self) -> None:
-        if self._freed or (not self._owns_comms and self._parent._freed):
+        if self._freed or (self._parent is not None and self._parent._freed):
             raise MeshMismatchError(f"{self!r} has been freed; create a new mesh")
 
 

@@ -12,7 +12,7 @@ from .placement import Placement
 from .split import local_shape_and_offset
 
 
-@dataclass(frozen=True, eq=True)
+@dataclass(frozen=True, eq=False)
 class DTensorSpec:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
@@ -33,10 +33,17 @@ class DTensorSpec:
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.mesh, self.placements, self.shape, self.dtype))
+        return hash((id(self.mesh), self.placements, self.shape, self.dtype))
 
     def __hash__(self) -> int:
         return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        """Specs are equal on the same mesh *object*: cached plans hold their mesh's
+        communicators, so a plan must never be reused for another (perhaps freed) mesh."""
+        return (isinstance(other, DTensorSpec) and self.mesh is other.mesh
+                and self.placements == other.placements and self.shape == other.shape
+                and self.dtype == other.dtype)
 
     def with_placements(self, placements: tuple[Placement, ...]) -> "DTensorSpec":
         return DTensorSpec(self.mesh, placements, self.shape, self.dtype)

@@ -6,8 +6,8 @@ context manager around any check whose outcome can differ between ranks.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 from mpi4py import MPI
@@ -66,7 +66,7 @@ def agreed(comm: MPI.Intracomm | None) -> Iterator[None]:
     """Run the body; agree on its outcome across ``comm``; every rank raises if any failed."""
     try:
         yield
-    except Exception as exc:  # noqa: BLE001 - re-raised collectively
+    except Exception as exc:
         agree(comm, exc)
         raise
     agree(comm, None)

@@ -20,7 +20,6 @@ def sharding_table(x: DTensor) -> str:
     if x.ndim not in (1, 2):
         raise ValueError(f"visualize_sharding shows 1-D and 2-D tensors; this one is {x.ndim}-D")
     mesh = x.device_mesh
-    shape = x.shape if x.ndim == 2 else (1,) + x.shape
     plc = x.placements
     blocks: dict[tuple[tuple[int, int], tuple[int, int]], list[int]] = {}
     for coord in itertools.product(*(range(n) for n in mesh.shape)):

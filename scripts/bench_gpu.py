@@ -65,7 +65,7 @@ def main() -> None:
                                 ("P->R", lambda: p.redistribute(placements=[dt.Replicate()]), raw_reduce)):
             t, r = timed(ours), timed(raw)
             if WORLD.Get_rank() == 0:
-                print(f"{case:<18} {str(shape):>13} {t * 1e3:>10.3f} {r * 1e3:>9.3f} {t / r:>6.2f}")
+                print(f"{case:<18} {shape!s:>13} {t * 1e3:>10.3f} {r * 1e3:>9.3f} {t / r:>6.2f}")
     mesh.free()
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import statistics
 import timeit
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -32,8 +33,8 @@ def torch_cases(size: int) -> dict[str, float]:
 
         import torch
         import torch.distributed as tdist
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     except ImportError:
         return {}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

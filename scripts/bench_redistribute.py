@@ -21,7 +21,7 @@ import os
 import statistics
 import time
 import tracemalloc
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from mpi4py import MPI
@@ -71,7 +71,7 @@ def raw_cases(kind: str, shape: tuple[int, int], m: int, comm: MPI.Intracomm, fr
     me = comm.Get_rank()
     mx = max(sizes)
 
-    def buf(n: int, keep: dict = {}) -> np.ndarray:  # noqa: B006 - the reused buffer
+    def buf(n: int, keep: dict = {}) -> np.ndarray:
         if fresh:
             return np.empty(n, np.float32)
         if keep.get("n") != n:
@@ -148,7 +148,7 @@ def main() -> None:
                                raw_op=best_name, ratio=ratio, peak_over_out=peak / max(out_bytes, 1))
                     rows.append(row)
                     if WORLD.Get_rank() == 0:
-                        print(f"{kind:<8} {path:<8} {size:>5} {str(shape):>13} {t * 1e3:>10.3f} "
+                        print(f"{kind:<8} {path:<8} {size:>5} {shape!s:>13} {t * 1e3:>10.3f} "
                               f"{raws[best_name] * 1e3:>9.3f} {pre * 1e3:>9.3f} {best_name:<21} {ratio:>6.2f} "
                               f"{peak / max(out_bytes, 1):>8.2f}", flush=True)
     if args.json and WORLD.Get_rank() == 0:

@@ -8,7 +8,8 @@ then ends the others; every mpiexec run is bounded by scripts/run_tests.py.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+from conftest import RANK, SIZE
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE
 
 WORLD = MPI.COMM_WORLD
 
@@ -48,10 +49,9 @@ def _bad_ck(kind: str) -> Callable[[dt.DeviceMesh], Any]:
             open(path, "wb").write(data[:200])
         if kind == "text":
             _write(path, b"not a checkpoint at all\n" * 10)
-        if kind == "npy":
-            if RANK == 0:
-                np.save(path + ".npy", np.zeros(3))
-                os.replace(path + ".npy", path)
+        if kind == "npy" and RANK == 0:
+            np.save(path + ".npy", np.zeros(3))
+            os.replace(path + ".npy", path)
         WORLD.Barrier()
         target = {"w": _ones(mesh, 5, 3)} if kind != "shape" else {"w": _ones(mesh, 6, 3)}
         if kind == "extra_key":

@@ -7,17 +7,18 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import h5py
 import numpy as np
 import pytest
+from conftest import RANK, SIZE, Checker
 from mpi4py import MPI
+from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE, Checker
 from dtorch_mpi.checkpoint import hdf5 as ck
-from test_redistribute import make_pieces
 
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
@@ -175,7 +176,7 @@ def test_failed_save_leaves_the_previous_file(mesh1d: dt.DeviceMesh, shared_dir:
 @pytest.mark.parametrize("damage", ["missing", "truncated", "garbage", "foreign", "version", "shape", "dtype"])
 def test_damaged_and_foreign_files_are_rejected_everywhere(damage: str, mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
     path = os.path.join(shared_dir, "bad.h5")
-    fulls, sd = state(mesh1d, LAYOUTS_1D[:2], (2 * SIZE + 1, 3))
+    _, sd = state(mesh1d, LAYOUTS_1D[:2], (2 * SIZE + 1, 3))
     if damage != "missing":
         dt.save(sd, path)
     if RANK == 0:

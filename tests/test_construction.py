@@ -6,9 +6,9 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import RANK, SIZE, Checker, lengths_for, reference
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE, Checker, lengths_for, reference
 from dtorch_mpi.split import local_shape_and_offset
 
 
@@ -46,7 +46,7 @@ def test_distribute_tensor_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.Dev
         for n in lengths_for(mesh.size()):
             full = reference((n, 3), seed=n)
             for placements in plist:
-                arg = full if src is None or RANK == src else None
+                arg = full if src is None or src == RANK else None
                 x = dt.distribute_tensor(arg, mesh, placements, src_data_rank=src)
                 what = f"mesh {mesh.shape} {placements} n={n}"
                 check.equal(x.to_local(), expected_piece(full, mesh, placements), what)

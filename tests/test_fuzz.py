@@ -9,12 +9,12 @@ import os
 from typing import Any
 
 import numpy as np
+from conftest import SIZE
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
-from conftest import SIZE
-from test_redistribute import make_pieces
 
 BUDGET = int(os.environ.get("DTORCH_FUZZ_EXAMPLES", "30"))
 LENGTHS = sorted({0, 1, 2, 3, 5, 7, max(SIZE - 1, 1), SIZE, SIZE + 1, 2 * SIZE + 1})

@@ -5,21 +5,21 @@ without a GPU."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
+from conftest import RANK, SIZE, Checker
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE, Checker
-from dtorch_mpi.comm import Group
-from dtorch_mpi.comm import gpu
+from dtorch_mpi.comm import Group, gpu
 
 try:
     import cupy
 
     HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001 - no CuPy, no driver or no device
+except Exception:
     HAVE_GPU = False
 
 BACKENDS = ["cpu"] + (["cuda"] if HAVE_GPU else [])

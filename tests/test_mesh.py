@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import RANK, SIZE
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE
 
 
 def test_1d_mesh_members(mesh1d: dt.DeviceMesh) -> None:

@@ -8,10 +8,9 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from mpi4py import MPI
+from conftest import RANK, SIZE, Checker
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE, Checker
 from dtorch_mpi.nn import Module, Parameter
 
 ALL = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max"),

@@ -10,19 +10,20 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
+from conftest import SIZE, Checker
 from hypothesis import given
 from hypothesis import strategies as st
+from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
-from conftest import SIZE, Checker
 from dtorch_mpi.ops import dispatch
 from dtorch_mpi.ops import functions as F
 from dtorch_mpi.ops.signature import Pat
-from test_redistribute import make_pieces
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 ALL_1D = [dt.Shard(0), dt.Shard(1), dt.Replicate()] + [dt.Partial(op) for op in PARTIAL_OPS]
@@ -290,7 +291,7 @@ def test_stretched_shard_and_mismatches_are_errors(mesh1d: dt.DeviceMesh) -> Non
         b + np.ones(4)
     with pytest.raises(dt.PlacementError, match="add: no rule"):
         dt.ones(2, device_mesh=mesh1d, placements=[dt.Partial()]) + 1
-    with pytest.raises(dt.PlacementError, match="not linear|does not commute"):
+    with pytest.raises(dt.PlacementError, match=r"not linear|does not commute"):
         dt.ones(2, device_mesh=mesh1d, placements=[dt.Partial()]).astype(np.int32)
     with dt.init_device_mesh("cpu", (SIZE,)) as other:
         c = dt.ones(SIZE + 1, 4, device_mesh=other)
@@ -357,3 +358,13 @@ def test_property_binary_ops(mesh1d: dt.DeviceMesh, rows: int, cols: int, pa: An
         assert ".redistribute(placements=" in str(err)
         return
     assert np.allclose(y.to_torch(), BINARY_REF[op](A, B))
+
+
+def test_cached_plans_never_outlive_their_mesh() -> None:
+    """Regression: a plan cached for a freed mesh over the same ranks must not be reused."""
+    with dt.init_device_mesh("cpu", (SIZE,)) as first:
+        (dt.ones(4, device_mesh=first) * 2).to_torch()
+    with dt.init_device_mesh("cpu", (SIZE,)) as second:
+        y = dt.ones(4, device_mesh=second) * 2
+        assert y.device_mesh is second
+        assert np.array_equal(y.redistribute(placements=[dt.Shard(0)]).to_torch(), np.full(4, 2.0, np.float32))

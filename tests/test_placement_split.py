@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -60,7 +62,7 @@ def test_split_sizes_table(n: int, m: int, sizes: tuple[int, ...]) -> None:
 def test_split_rule_partitions_the_range(n: int, m: int) -> None:
     sizes, offs = split_sizes(n, m), split_offsets(n, m)
     assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
-    assert all(a >= b for a, b in zip(sizes, sizes[1:]))
+    assert all(a >= b for a, b in itertools.pairwise(sizes))
     assert list(offs) == [sum(sizes[:i]) for i in range(m)]
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import SIZE, Checker
 
 import dtorch_mpi as dt
-from conftest import SIZE, Checker
 from dtorch_mpi import random as rnd
 
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]

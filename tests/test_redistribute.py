@@ -12,9 +12,9 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import RANK, SIZE, Checker, lengths_for
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE, Checker, lengths_for
 from dtorch_mpi.split import split_sizes
 
 P1 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max")]
@@ -162,7 +162,7 @@ def test_comm_counter_bytes(mesh1d: dt.DeviceMesh) -> None:
 
 def test_plans_move_the_least(mesh2d: dt.DeviceMesh) -> None:
     S0, S1, R, P = dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial()
-    kinds = lambda a, b: [s.kind for s in dt.plan_redistribute(a, b)]  # noqa: E731
+    kinds = lambda a, b: [s.kind for s in dt.plan_redistribute(a, b)]
     assert kinds((S0,), (R,)) == ["all_gather"]
     assert kinds((R,), (S1,)) == ["slice"]
     assert kinds((S0,), (S1,)) == ["all_to_all"]
@@ -177,9 +177,8 @@ def test_plans_move_the_least(mesh2d: dt.DeviceMesh) -> None:
 
 def test_different_mesh_is_a_clear_error(mesh1d: dt.DeviceMesh) -> None:
     x = dt.zeros(4, device_mesh=mesh1d, placements=[dt.Shard(0)])
-    with dt.init_device_mesh("cpu", (SIZE, 1)) as other:
-        with pytest.raises(dt.MeshMismatchError, match="another mesh"):
-            x.redistribute(other, [dt.Replicate(), dt.Replicate()])
+    with dt.init_device_mesh("cpu", (SIZE, 1)) as other, pytest.raises(dt.MeshMismatchError, match="another mesh"):
+        x.redistribute(other, [dt.Replicate(), dt.Replicate()])
     with pytest.raises(dt.PlacementError, match="one placement per mesh dim"):
         x.redistribute(placements=[dt.Replicate(), dt.Replicate()])
 

@@ -24,7 +24,8 @@ import os
 import sys
 import uuid
 import warnings
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -226,7 +227,7 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tuple
         try:
             with h5py.File(tmp, "w") as f:
                 _create_datasets(f, tensors, sources)
-        except Exception as exc:  # noqa: BLE001 - agreed below
+        except Exception as exc:
             error = exc
     with agreed(world):
         if error is not None:
@@ -240,7 +241,7 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tuple
                         for name, piece in pieces:
                             if piece is not None and int(np.prod(piece[1])):
                                 _write_slab(h5py, f[_group_path(name)], piece, collective=False)
-            except Exception as exc:  # noqa: BLE001 - agreed after the turns
+            except Exception as exc:
                 error = exc
         world.Barrier()
     if error is not None:

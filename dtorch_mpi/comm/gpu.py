@@ -10,8 +10,9 @@ device, the safe default. All three take the same calls as the MPI backend.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -52,7 +53,7 @@ def mpi_is_cuda_aware() -> bool:
     query = getattr(MPI, "Query_cuda_support", None)
     try:
         return bool(query()) if query is not None else False
-    except Exception:  # noqa: BLE001 - an MPI without the query
+    except Exception:
         return False
 
 
@@ -313,7 +314,7 @@ class NCCLBackend:
                    concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Any:
         from cupy.cuda import nccl
 
-        m, me = group.size, group.rank
+        m = group.size
         if m == 1:
             out[...] = send
             return completed(out)

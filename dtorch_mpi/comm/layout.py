@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import prod
-from typing import Sequence
 
 
 def view3(shape: Sequence[int], axis: int) -> tuple[int, int, int]:

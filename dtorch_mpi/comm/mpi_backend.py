@@ -9,7 +9,8 @@ re-layout temporaries. Unequal pieces use the ``v``/``w`` collectives, or, on th
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -138,7 +139,7 @@ class MPIBackend:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         if spmd_debug():
             check_same_call(group, _describe("all_gather", out, axis=axis))
-        m, me = group.size, group.rank
+        m = group.size
         if m == 1 or out.size == 0:
             if m == 1:
                 out[...] = send
@@ -400,7 +401,7 @@ class MPIBackend:
                 out[...] = got.reshape(out.shape)
             return out
 
-        if padded:
+        if width is not None:
             count = outer * width * inner
             blocking = lambda: comm.Reduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)
             nonblocking = lambda: comm.Ireduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)

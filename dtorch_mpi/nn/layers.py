@@ -4,7 +4,7 @@ sharding-invariant RNG, so a model has the same weights whatever its parallel pl
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -29,7 +29,7 @@ def default_mesh() -> DeviceMesh:
 
 def _uniform(shape: tuple[int, ...], bound: float, mesh: DeviceMesh, dtype: Any) -> Parameter:
     u = factory.rand(*shape, dtype=dtype, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
-    return Parameter(u * (2 * bound) - bound)
+    return Parameter(cast(DTensor, u * (2 * bound) - bound))
 
 
 def linear(x: Any, weight: DTensor, bias: DTensor | None = None) -> Any:
@@ -41,6 +41,9 @@ def linear(x: Any, weight: DTensor, bias: DTensor | None = None) -> Any:
 class Linear(Module):
     """``y = x @ W.T + b`` with ``W`` of shape ``[out_features, in_features]`` (like torch),
     initialised uniform in ±1/sqrt(in_features), replicated until a plan shards it."""
+
+    weight: Parameter
+    bias: Parameter | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  device_mesh: DeviceMesh | None = None, dtype: Any = np.float32) -> None:

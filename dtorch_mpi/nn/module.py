@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from ..dtensor import DTensor
 
@@ -30,6 +31,9 @@ class Parameter(DTensor):
 
 class Module:
     """Base class: attributes that are Parameters or Modules are registered by assignment."""
+
+    _parameters: "OrderedDict[str, Parameter]"
+    _modules: "OrderedDict[str, Module]"
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", OrderedDict())

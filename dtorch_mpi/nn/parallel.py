@@ -9,8 +9,9 @@ communication a style does; ``CommCounter`` shows it (Colwise then Rowwise: one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from fnmatch import fnmatchcase
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 

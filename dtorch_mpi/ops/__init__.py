@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..dtensor import DTensor
 from . import functions as F
@@ -40,14 +41,18 @@ def clip(x: DTensor, lo: Any = None, hi: Any = None) -> DTensor:
 
 UNARY_FUNCTIONS["clip"] = clip
 
-REDUCTIONS = {
-    name: (lambda name: lambda x, dim=None, keepdim=False: F.reduce(name, x, dim, keepdim))(name)
-    for name in ("sum", "mean", "max", "min", "prod")
-}
-ARG_REDUCTIONS = {
-    name: (lambda name: lambda x, dim=None, keepdim=False: F.arg_reduce(name, x, dim, keepdim))(name)
-    for name in ("argmax", "argmin")
-}
+def _reduction_fn(name: str, arg: bool) -> Callable[..., DTensor]:
+    def fn(x: DTensor, dim: Any = None, keepdim: bool = False) -> DTensor:
+        return F.arg_reduce(name, x, dim, keepdim) if arg else F.reduce(name, x, dim, keepdim)
+
+    fn.__name__ = name
+    fn.__doc__ = (f"{name} over ``dim`` (all dims when None). Over a sharded dim the result is "
+                  f"Partial; rules: dtorch_mpi.signature({name!r}).")
+    return fn
+
+
+REDUCTIONS = {name: _reduction_fn(name, False) for name in ("sum", "mean", "max", "min", "prod")}
+ARG_REDUCTIONS = {name: _reduction_fn(name, True) for name in ("argmax", "argmin")}
 
 _OPERATORS = {
     "__add__": lambda a, b: F.binary_fast("add", a, b), "__radd__": lambda a, b: F.binary("add", b, a),
@@ -91,7 +96,7 @@ def _install_methods() -> None:
     for name, fn in UNARY_FUNCTIONS.items():
         if not hasattr(DTensor, name):
             setattr(DTensor, name, fn)
-    DTensor.T = property(lambda self: F.transpose(self))  # type: ignore[attr-defined]
+    DTensor.T = property(lambda self: F.transpose(self))  # type: ignore[assignment]
     DTensor.__hash__ = object.__hash__  # type: ignore[assignment]
 
 

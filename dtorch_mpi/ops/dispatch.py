@@ -8,8 +8,9 @@ rank, so so is the verdict) naming the op, the placements, the rules and a concr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import MeshMismatchError, PlacementError
 from ..mesh import DeviceMesh
@@ -89,7 +90,7 @@ def infer(
             target = targets[i]
             assert target is not None
             target[k] = Shard(d)
-    prepare = []
+    prepare: list[tuple[Step, ...] | None] = []
     for spec, target in zip(specs, targets):
         if spec is None or target is None or tuple(target) == spec.placements:
             prepare.append(None)

@@ -8,9 +8,10 @@ with ``distribute_tensor(..., [Replicate()])`` first: nothing is distributed imp
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from math import prod
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -18,8 +19,7 @@ from ..dtensor import DTensor
 from ..errors import PlacementError, ShapeMismatchError
 from ..placement import Partial
 from ..spec import DTensorSpec
-from .dimmaps import (BroadcastMap, IndexMap, JoinMap, MatmulMap, PermuteMap, RemoveDimsMap,
-                      ReshapeMap)
+from .dimmaps import BroadcastMap, IndexMap, JoinMap, MatmulMap, PermuteMap, RemoveDimsMap, ReshapeMap
 from .dispatch import INFERENCE_CACHE_SIZE, OpPlan, infer, prepared
 from .tables import BINARY, OTHER, UNARY, WHERE, nary
 

@@ -9,8 +9,9 @@ every mesh dim is matched on its own. Matching is metadata only: no communicatio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 from ..placement import Partial, Placement, Replicate, Shard
 

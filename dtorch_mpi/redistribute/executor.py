@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..comm import Group, Work, backend_for, completed
 from ..comm.layout import with_dim
