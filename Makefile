@@ -68,7 +68,7 @@ test: $(TEST_DEPS)
 
 test-phdf5: $(PHDF5_STAMP)
 	$(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
-	  tests/test_checkpoint.py tests/test_nn.py
+	  tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py
 
 demo: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) examples/quickstart.py

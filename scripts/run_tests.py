@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
     ap.add_argument("--phdf5-mpiexec", default="mpiexec")
-    ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_nn.py")
+    ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py")
     ap.add_argument("pytest_args", nargs="*", default=[])
     args = ap.parse_args()
     python = sys.executable

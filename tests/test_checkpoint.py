@@ -147,22 +147,22 @@ def test_failed_save_leaves_the_previous_file(mesh1d: dt.DeviceMesh, shared_dir:
     fulls, sd = state(mesh1d, LAYOUTS_1D, (SIZE + 2, 3))
     dt.save(sd, path)
     before = open(path, "rb").read() if RANK == 0 else b""
-    real = ck._write_slab
+    real = ck._writer_piece
     calls = {"n": 0}
 
-    def failing(*args: Any, **kwargs: Any) -> None:
+    def failing(*args: Any, **kwargs: Any) -> Any:
         calls["n"] += 1
         if RANK == SIZE - 1 and calls["n"] == 2:
-            raise OSError("disk full (planted)")
-        real(*args, **kwargs)
+            raise OSError("out of memory preparing the piece (planted)")
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ck, "_write_slab", failing)
+    monkeypatch.setattr(ck, "_writer_piece", failing)
     _, changed = state(mesh1d, LAYOUTS_1D, (SIZE + 2, 3))
     for v in changed.values():
         v.to_local()[...] = 7
     with pytest.raises(dt.CheckpointError, match="planted"):
         dt.save(changed, path)
-    monkeypatch.setattr(ck, "_write_slab", real)
+    monkeypatch.setattr(ck, "_writer_piece", real)
     WORLD.Barrier()
     if RANK == 0:
         assert open(path, "rb").read() == before, "the previous checkpoint changed"

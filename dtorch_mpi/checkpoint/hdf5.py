@@ -208,7 +208,11 @@ def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tupl
     with h5py.File(tmp, "w", driver="mpio", comm=world) as f:
         datasets = _create_datasets(f, tensors, sources)
         for name, t in tensors:
-            _write_slab(h5py, datasets[name], _writer_piece(t), collective=True)
+            if t.size == 0:
+                continue  # no storage to write (the same decision on every rank)
+            with agreed(world):  # a failure preparing one rank's piece stops every rank here,
+                piece = _writer_piece(t)  # before the collective write could hang the others
+            _write_slab(h5py, datasets[name], piece, collective=True)
             progress.add(t.size * t.dtype.itemsize, "saving")
         f.flush()
     progress.close()

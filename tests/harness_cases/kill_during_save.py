@@ -21,7 +21,7 @@ if rank == 0:
     shutil.copyfile(path, path + ".A")
 MPI.COMM_WORLD.Barrier()
 
-real, calls = ck._write_slab, [0]
+real, calls = ck._writer_piece, [0]
 
 
 def write_then_die(*args, **kwargs):
@@ -31,7 +31,7 @@ def write_then_die(*args, **kwargs):
     return real(*args, **kwargs)
 
 
-ck._write_slab = write_then_die
+ck._writer_piece = write_then_die
 for v in state.values():
     v.to_local()[...] = -1.0
 dt.save(state, path)
