@@ -35,7 +35,7 @@ TEST_DEPS := $(STAMP)
 PHDF5_ARGS :=
 endif
 
-.PHONY: test demo install install-phdf5 test-phdf5 lint bench docs fuzz clean
+.PHONY: test demo install install-phdf5 test-phdf5 test-slurm lint bench docs fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,9 @@ test: $(TEST_DEPS)
 test-phdf5: $(PHDF5_STAMP)
 	$(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
 	  tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py
+
+test-slurm: $(STAMP)
+	DTORCH_PYTHON=$(CURDIR)/$(PY) bash scripts/slurm/test_slurm.sh
 
 demo: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) examples/quickstart.py

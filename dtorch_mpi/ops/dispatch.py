@@ -134,27 +134,37 @@ def placement_error(
     )
 
 
+def _cost(src: Placement, dst: Placement) -> int:
+    """Rough cost of changing one mesh dim: slices are free, gathers and all-reduces dearest."""
+    if isinstance(src, Replicate):
+        return 0
+    if isinstance(dst, Replicate):
+        return 3
+    return 1 if isinstance(dst, Shard) else 2
+
+
 def _suggest(
     sig: Signature, specs: Sequence[DTensorSpec | None], dmap: DimMap, names: Sequence[str], k: int
 ) -> str:
+    """The cheapest single-operand redistribute that makes mesh dim ``k`` match a rule."""
     per_dim = [s.placements[k] if s is not None else None for s in specs]
-    candidates: list[Placement] = []
-    for p in per_dim:
-        if p is not None and p not in candidates:
-            candidates.append(p)
-    candidates.append(Replicate())
-    # one operand changed, preferring a shard another operand already has (fewer bytes)
+    options: list[tuple[int, int, str]] = []
     for i, spec in enumerate(specs):
         if spec is None:
             continue
-        own = [Shard(d) for d in range(len(spec.shape)) if Shard(d) not in candidates]
-        for cand in candidates[:-1] + own + candidates[-1:]:
-            if cand == per_dim[i]:
+        candidates: list[Placement] = [p for p in per_dim if p is not None]
+        candidates += [Shard(d) for d in range(len(spec.shape))] + [Replicate()]
+        seen: set[Placement] = set()
+        for cand in candidates:
+            if cand in seen or cand == per_dim[i]:
                 continue
+            seen.add(cand)
             trial = list(per_dim)
             trial[i] = cand
             if match_mesh_dim(sig, trial, dmap) is not None:
-                return _redistribute_text(names[i], spec, k, cand)
+                options.append((_cost(per_dim[i], cand), len(options), _redistribute_text(names[i], spec, k, cand)))
+    if options:
+        return min(options)[2]
     fixes = [
         _redistribute_text(n, s, k, Replicate())
         for n, s in zip(names, specs)
