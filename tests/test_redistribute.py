@@ -217,3 +217,17 @@ def test_uneven_gather_sizes_follow_the_split_rule(mesh1d: dt.DeviceMesh) -> Non
     sizes = mesh1d.get_group(0).allgather(x.to_local().shape[0])
     assert tuple(sizes) == split_sizes(n, SIZE)
     assert np.array_equal(x.to_torch(), np.arange(n))
+
+
+def test_large_uneven_gather_takes_the_padded_route(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto path: past PADDED_GATHER_BYTES an uneven contiguous gather pads and compacts in place."""
+    from dtorch_mpi.comm import mpi_backend
+
+    monkeypatch.setattr(mpi_backend, "PADDED_GATHER_BYTES", 64)
+    full = integer_full((2 * SIZE + 1, 5))
+    x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
+    with dt.CommCounter() as c:
+        y = x.redistribute(placements=[dt.Replicate()])
+    assert np.array_equal(y.to_torch(), full)
+    if SIZE > 1:
+        assert c.records[0].padded == (dt.comm.comm_path() in ("auto", "padded"))

@@ -2,8 +2,9 @@
 
 ``DTORCH_COMM_PATH``:
 - ``auto`` (default): equal-size collectives for equal pieces, the variable-size ``v``/``w``
-  collectives for unequal ones (with MPICH, ``Allgatherv`` beats the padded ``Allgather`` up
-  to about 16 MB and loses at 64 MB; see scripts/bench_redistribute.py).
+  collectives for unequal ones, except unequal contiguous gathers of 32 MB or more, which take
+  the padded ``Allgather`` (MPICH's ``Allgatherv`` is faster below that size and slower above;
+  see scripts/bench_redistribute.py).
 - ``padded``: always pad to equal sizes, the path NCCL needs; selectable on CPU so CI runs it.
 - ``variable``: always the variable-size collectives.
 ``DTORCH_GPU_BACKEND``: ``auto`` | ``nccl`` | ``cuda-aware-mpi`` | ``host-staging`` (GPU meshes).
