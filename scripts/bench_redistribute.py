@@ -145,7 +145,8 @@ def main() -> None:
                     ratio = t / raws[best_name]
                     row = dict(ranks=m, transition=kind, path=path, bytes=nbytes, evenness=evenness,
                                shape=shape, dtorch_ms=t * 1e3, raw_ms=raws[best_name] * 1e3,
-                               raw_op=best_name, ratio=ratio, peak_over_out=peak / max(out_bytes, 1))
+                               raw_prealloc_ms=pre * 1e3, raw_op=best_name, ratio=ratio,
+                               peak_over_out=peak / max(out_bytes, 1))
                     rows.append(row)
                     if WORLD.Get_rank() == 0:
                         print(f"{kind:<8} {path:<8} {size:>5} {shape!s:>13} {t * 1e3:>10.3f} "
