@@ -35,7 +35,7 @@ TEST_DEPS := $(STAMP)
 PHDF5_ARGS :=
 endif
 
-.PHONY: test demo install install-phdf5 test-phdf5 test-slurm lint bench docs fuzz clean
+.PHONY: test demo install install-phdf5 test-phdf5 test-slurm lint bench plots docs fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -83,6 +83,10 @@ lint: $(STAMP)
 fuzz: $(STAMP)
 	DTORCH_FUZZ_EXAMPLES=$${DTORCH_FUZZ_EXAMPLES:-500} MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py \
 	  --sizes $(SIZES) --paths auto tests/test_fuzz.py
+
+plots: $(STAMP)
+	$(PIP) install -q matplotlib
+	$(PY) scripts/plot_benchmarks.py
 
 docs: $(STAMP)
 	$(PY) scripts/gen_signatures.py

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Checkpoint throughput: dt.save / dt.load vs a raw h5py MPI-IO collective write / read of
+the same bytes, side by side in one run. Needs the parallel-HDF5 stack:
+  make install-phdf5
+  /usr/bin/mpiexec.mpich -n 4 .venv-phdf5/bin/python scripts/bench_checkpoint.py
+The raw write also flushes and fsyncs (an atomic save must). Target: within 1.3x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import h5py
+import numpy as np
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+
+WORLD = MPI.COMM_WORLD
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        WORLD.Barrier()
+        start = time.perf_counter()
+        fn()
+        WORLD.Barrier()
+        times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--mb", default="64,256", help="checkpoint sizes in MB")
+    ap.add_argument("--tensors", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    if not h5py.get_config().mpi:
+        raise SystemExit("this benchmark needs h5py with MPI (make install-phdf5)")
+    m, rank = WORLD.Get_size(), WORLD.Get_rank()
+    mesh = dt.init_device_mesh("cpu", (m,))
+    directory = WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-bench-", dir=os.environ.get("BENCH_DIR")) if rank == 0 else None)
+    if rank == 0:
+        print(f"ranks={m}  {args.tensors} tensors, float32, Shard(0)  (median of {args.reps}, slowest rank)")
+        print(f"{'size':>6} {'op':<5} {'dtorch s':>9} {'raw s':>8} {'dtorch MB/s':>12} {'raw MB/s':>9} {'ratio':>6}")
+    for mb in (int(v) for v in args.mb.split(",")):
+        rows = (mb << 20) // 4 // args.tensors // 1024
+        shape = (rows, 1024)
+        state = {f"layer{i}.weight": dt.ones(*shape, device_mesh=mesh, placements=[dt.Shard(0)]) for i in range(args.tensors)}
+        ours_path = os.path.join(directory, "ours.h5")
+        raw_path = os.path.join(directory, "raw.h5")
+        _, offset = dt.compute_local_shape_and_offset(shape, mesh, [dt.Shard(0)])
+        pieces = {k: v.to_local() for k, v in state.items()}
+
+        def raw_write() -> None:
+            with h5py.File(raw_path, "w", driver="mpio", comm=WORLD) as f:
+                for k, piece in pieces.items():
+                    ds = f.create_dataset(k.replace(".", "/"), shape=shape, dtype=np.float32)
+                    with ds.collective:
+                        ds[offset[0] : offset[0] + piece.shape[0]] = piece
+                f.flush()
+            if rank == 0:
+                fd = os.open(raw_path, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+
+        def raw_read() -> None:
+            with h5py.File(raw_path, "r", driver="mpio", comm=WORLD) as f:
+                for k, piece in pieces.items():
+                    ds = f[k.replace(".", "/")]
+                    with ds.collective:
+                        ds.read_direct(np.empty_like(piece), np.s_[offset[0] : offset[0] + piece.shape[0]])
+
+        target = {k: dt.zeros(*shape, device_mesh=mesh, placements=[dt.Shard(0)]) for k in state}
+        results = [
+            ("save", timed(lambda: dt.save(state, ours_path), args.reps), timed(raw_write, args.reps)),
+            ("load", timed(lambda: dt.load(ours_path, target), args.reps), timed(raw_read, args.reps)),
+        ]
+        if rank == 0:
+            for op, ours, raw in results:
+                print(f"{mb:>4}MB {op:<5} {ours:>9.3f} {raw:>8.3f} {mb / ours:>12.0f} {mb / raw:>9.0f} {ours / raw:>6.2f}")
+    WORLD.Barrier()
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(directory, ignore_errors=True)
+    mesh.free()
+
+
+if __name__ == "__main__":
+    main()
