@@ -161,8 +161,9 @@ def _suggest(
             seen.add(cand)
             trial = list(per_dim)
             trial[i] = cand
+            current = spec.placements[k]
             if match_mesh_dim(sig, trial, dmap) is not None:
-                options.append((_cost(per_dim[i], cand), len(options), _redistribute_text(names[i], spec, k, cand)))
+                options.append((_cost(current, cand), len(options), _redistribute_text(names[i], spec, k, cand)))
     if options:
         return min(options)[2]
     fixes = [
