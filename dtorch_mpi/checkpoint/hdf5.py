@@ -214,7 +214,7 @@ def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tupl
                 piece = _writer_piece(t)  # before the collective write could hang the others
             _write_slab(h5py, datasets[name], piece, collective=True)
             progress.add(t.size * t.dtype.itemsize, "saving")
-        f.flush()
+    # no H5Fflush here: with MPI-IO it is an MPI_File_sync, and the file is fsynced after close
     progress.close()
 
 

@@ -102,6 +102,10 @@ def _read_piece(param: Parameter, value: Any) -> Any:
     if int(np.prod(local_shape)) == 0:
         return xp.empty(local_shape, dtype=param.dtype)
     index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+    if mesh.device_type == "cpu" and np.dtype(value.dtype) == param.dtype and hasattr(value, "read_direct") and index:
+        out = np.empty(local_shape, dtype=param.dtype)  # an h5py dataset: read straight into it
+        value.read_direct(out, index)
+        return out
     piece = value[index] if index else value[()]
     if hasattr(piece, "get") and mesh.device_type == "cpu":
         piece = piece.get()
