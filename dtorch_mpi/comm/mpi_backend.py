@@ -313,6 +313,15 @@ class MPIBackend:
                 lambda: comm.Ialltoall([pack, width, etype], [unpack, width, etype]),
                 finish, (pack, unpack, send, out),
             )
+        if len(set(send_counts)) == 1 and send_counts == recv_counts:
+            # equal blocks: MPICH's Alltoall is 1.3-2x faster than its Alltoallv
+            n = send_counts[0]
+            return self._run(
+                async_op,
+                lambda: comm.Alltoall([pack, n, etype], [unpack, n, etype]),
+                lambda: comm.Ialltoall([pack, n, etype], [unpack, n, etype]),
+                finish, (pack, unpack, send, out),
+            )
         sspec = [pack, (send_counts, send_at), etype]
         rspec = [unpack, (recv_counts, recv_at), etype]
         return self._run(
