@@ -13,7 +13,7 @@ from . import random as _random
 from .comm import CommCounter  # noqa: F401  (re-exported for users of this module)
 from .comm.counter import record
 from .dtensor import DTensor
-from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type
+from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, normalize_placements
@@ -35,15 +35,20 @@ def _parse_shape(shape: tuple[Any, ...]) -> tuple[int, ...]:
     return dims
 
 
-def _needs_value(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> bool:
-    """False where a Partial("sum") mesh dim puts this rank off coordinate 0 (identity piece)."""
+def _partial_fill(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> str | None:
+    """The reduce op whose identity this rank's piece holds, or None when it holds the value.
+
+    SPEC: with Partial the value sits at mesh coordinate 0 and the reduce op's identity
+    elsewhere (the outermost Partial mesh dim off coordinate 0 decides); ``avg`` has no
+    identity, so its pieces all hold the value.
+    """
     coord = mesh.get_coordinate()
     if coord is None:
-        return False
-    return not any(
-        isinstance(p, Partial) and p.reduce_op == "sum" and coord[k] != 0
-        for k, p in enumerate(placements)
-    )
+        return None
+    for k, p in enumerate(placements):
+        if isinstance(p, Partial) and p.reduce_op != "avg" and coord[k] != 0:
+            return p.reduce_op
+    return None
 
 
 def _build(
@@ -54,10 +59,11 @@ def _build(
     spec = DTensorSpec(mesh, plc, shape, dtype)
     local_shape, offset = spec.local_shape_and_offset
     xp = array_namespace(mesh.device_type)
-    if _needs_value(mesh, plc):
+    op = _partial_fill(mesh, plc)
+    if op is None:
         local = fill(local_shape, offset, xp)
     else:
-        local = xp.zeros(local_shape, dtype=dtype)
+        local = xp.full(local_shape, identity_value(dtype, op), dtype=dtype)
     return DTensor(local, spec)
 
 
@@ -105,7 +111,7 @@ def ones(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
 
 def empty(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
           placements: Sequence[Placement] | None = None) -> DTensor:
-    """Uninitialised pieces (Partial("sum") pieces off coordinate 0 are zeros, as for all)."""
+    """Uninitialised pieces (Partial pieces off coordinate 0 hold the identity, as for all)."""
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.empty(s, dtype=dt))
 
@@ -217,10 +223,11 @@ def distribute_tensor(
     spec = DTensorSpec(mesh, plc, shape, dt)
     local_shape, offset = spec.local_shape_and_offset
     index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
+    op = _partial_fill(mesh, plc)
     if src_data_rank is None:
-        local = xp.array(array[index], copy=True) if _needs_value(mesh, plc) else xp.zeros(local_shape, dt)
+        local = xp.array(array[index], copy=True) if op is None else xp.full(local_shape, identity_value(dt, op), dt)
         return DTensor(xp.ascontiguousarray(local), spec)
-    local = xp.zeros(local_shape, dtype=dt)
+    local = xp.zeros(local_shape, dtype=dt) if op is None else xp.full(local_shape, identity_value(dt, op), dt)
     _send_pieces(array, local, mesh, plc, shape, src_data_rank, me, xp)
     return DTensor(local, spec)
 
@@ -234,7 +241,7 @@ def _send_pieces(
     tag = 0x7D15
     itemsize = local.dtype.itemsize
     needs = [
-        not any(isinstance(p, Partial) and p.reduce_op == "sum" and c[k] != 0
+        not any(isinstance(p, Partial) and p.reduce_op != "avg" and c[k] != 0
                 for k, p in enumerate(plc))
         for c in (tuple(int(v) for v in np.unravel_index(r, mesh.shape)) for r in range(comm.Get_size()))
     ]

@@ -25,9 +25,9 @@ def expected_piece(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Pl
     shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
     piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))]
     coord = mesh.get_coordinate()
-    if any(isinstance(p, dt.Partial) and p.reduce_op == "sum" and coord[k] != 0
-           for k, p in enumerate(placements)):
-        return np.zeros_like(piece)
+    for k, p in enumerate(placements):  # SPEC: the value at coordinate 0, the identity elsewhere
+        if isinstance(p, dt.Partial) and p.reduce_op != "avg" and coord[k] != 0:
+            return np.full_like(piece, {"sum": 0, "max": -np.inf, "min": np.inf}[p.reduce_op])
     return piece
 
 

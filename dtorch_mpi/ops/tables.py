@@ -116,9 +116,9 @@ OTHER: dict[str, Signature] = {
     "clone": Signature("clone", (Rule((S("d"),), S("d")), Rule((R,), R)) + tuple(
         Rule((P(p),), P(p)) for p in ALL_PARTIALS)),
     "matmul": Signature("matmul", (
-        Rule((S(-2), R), S(-2), note="rows of a"),
-        Rule((R, S(-1)), S(-1), note="columns of b"),
-        Rule((S(-1), S(-2)), P("sum"), note="contraction dim"),
+        Rule((S(-2), R), S(-2), note="rows of a: (Shard(0), Replicate()) -> Shard(0) for 2-D"),
+        Rule((R, S(-1)), S(-1), note="columns of b: (Replicate(), Shard(1)) -> Shard(1) for 2-D"),
+        Rule((S(-1), S(-2)), P("sum"), note='contraction dim: (Shard(1), Shard(0)) -> Partial("sum") for 2-D'),
         Rule((R, R), R),
         Rule((S("d"), S("d")), S("d"), note="batch dims"),
         Rule((S("d"), R), S("d"), slices=(1,), note="batch dims"),
