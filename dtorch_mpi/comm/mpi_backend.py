@@ -390,19 +390,13 @@ class MPIBackend:
         wide = WIDENED.get(out.dtype)
         dtype = wide or out.dtype
         mtype, op = reduction_type(dtype), reduction_op(dtype, reduce_op)
-        offs = offsets(sizes)
         padded = comm_path() == "padded" and len(set(sizes)) > 1
         width = max(sizes) if padded else None
         src3 = _contiguous(send).reshape(outer, length, inner)
         if outer == 1 and not padded:
             pack = _xp(out).ascontiguousarray(send, dtype=dtype).reshape(-1)
         else:
-            blocks = [outer * (width or n) * inner for n in sizes]
-            pack = _xp(out).zeros(sum(blocks), dtype=dtype) if padded else _xp(out).empty(sum(blocks), dtype=dtype)
-            start = 0
-            for n, o, b in zip(sizes, offs, blocks):
-                pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]
-                start += b
+            pack = _pack_by_destination(src3, sizes, width, dtype)
         direct = wide is None and not padded and out.flags.c_contiguous
         dst = out if direct else _xp(out).empty(outer * (width or sizes[me]) * inner, dtype=dtype)
         comm = group.comm
@@ -467,19 +461,13 @@ class MPIBackend:
         record("scatter", group.mesh_dim,
                (send.nbytes - out.nbytes) if me == root and send is not None else 0,
                0 if me == root else out.nbytes, comm_path() == "padded", async_op)
-        offs = offsets(sizes)
         padded = comm_path() == "padded"
         width = max(sizes)
         if me == root:
             assert send is not None
             outer, length, inner = view3(send.shape, axis)
             src3 = _xp(out).ascontiguousarray(send).reshape(outer, length, inner)
-            blocks = [outer * (width if padded else n) * inner for n in sizes]
-            pack = _xp(out).empty(sum(blocks), dtype=out.dtype)
-            start = 0
-            for n, o, b in zip(sizes, offs, blocks):
-                pack[start : start + b].reshape(outer, width if padded else n, inner)[:, :n, :] = src3[:, o : o + n, :]
-                start += b
+            pack = _pack_by_destination(src3, sizes, width if padded else None, out.dtype)
         else:
             outer, _, inner = view3(out.shape, axis)
             pack = _xp(out).empty(0, dtype=out.dtype)
@@ -501,6 +489,20 @@ class MPIBackend:
             blocking = lambda: comm.Scatterv(sspec, [recv, recv.size, etype], root=root)
             nonblocking = lambda: comm.Iscatterv(sspec, [recv, recv.size, etype], root=root)
         return self._run(async_op, blocking, nonblocking, finish, (pack, recv, out))
+
+
+def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dtype: Any) -> Any:
+    """Copy the ``(outer, length, inner)`` source into one buffer ordered by destination rank:
+    rank ``i``'s ``sizes[i]`` rows, each block ``width`` rows long (zero-padded) when given."""
+    outer, _, inner = src3.shape
+    blocks = [outer * (width or n) * inner for n in sizes]
+    xp = _xp(src3)
+    pack = xp.zeros(sum(blocks), dtype=dtype) if width else xp.empty(sum(blocks), dtype=dtype)
+    start = 0
+    for n, o, b in zip(sizes, offsets(sizes), blocks):
+        pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]
+        start += b
+    return pack
 
 
 def _global_block(

@@ -6,8 +6,24 @@ from dataclasses import dataclass
 from math import prod
 
 
+class _DimMapDefaults:
+    """What most ops answer: nothing broadcasts, no fixed dims, no Replicate input to slice."""
+
+    def stretched(self, i: int, dim: int) -> bool:
+        return False
+
+    def in_dim(self, i: int, out_dim: int) -> int | None:
+        return None
+
+    def fixed(self, i: int, dim: int) -> int | None:
+        return None
+
+    def out_fixed(self, dim: int) -> int | None:
+        return None
+
+
 @dataclass(frozen=True)
-class BroadcastMap:
+class BroadcastMap(_DimMapDefaults):
     """Elementwise ops: dims aligned from the right (NumPy broadcasting)."""
 
     in_shapes: tuple[tuple[int, ...] | None, ...]
@@ -29,15 +45,9 @@ class BroadcastMap:
         d = out_dim - self._offset(i)
         return d if d >= 0 else None
 
-    def fixed(self, i: int, dim: int) -> int | None:
-        return None
-
-    def out_fixed(self, dim: int) -> int | None:
-        return None
-
 
 @dataclass(frozen=True)
-class RemoveDimsMap:
+class RemoveDimsMap(_DimMapDefaults):
     """Unary ops that remove (reductions) or must not split (softmax) some dims."""
 
     ndim: int
@@ -49,21 +59,10 @@ class RemoveDimsMap:
             return None
         return dim if self.keepdim else dim - sum(1 for r in self.removed if r < dim)
 
-    def stretched(self, i: int, dim: int) -> bool:
-        return False
-
-    def in_dim(self, i: int, out_dim: int) -> int | None:
-        return None
-
-    def fixed(self, i: int, dim: int) -> int | None:
-        return None
-
-    def out_fixed(self, dim: int) -> int | None:
-        return None
 
 
 @dataclass(frozen=True)
-class PermuteMap:
+class PermuteMap(_DimMapDefaults):
     """transpose / permute: output dim ``j`` is input dim ``perm[j]``."""
 
     perm: tuple[int, ...]
@@ -71,17 +70,8 @@ class PermuteMap:
     def to_out(self, i: int, dim: int) -> int | None:
         return self.perm.index(dim)
 
-    def stretched(self, i: int, dim: int) -> bool:
-        return False
-
     def in_dim(self, i: int, out_dim: int) -> int | None:
         return self.perm[out_dim]
-
-    def fixed(self, i: int, dim: int) -> int | None:
-        return None
-
-    def out_fixed(self, dim: int) -> int | None:
-        return None
 
 
 @dataclass(frozen=True)
@@ -134,7 +124,7 @@ class MatmulMap:
 
 
 @dataclass(frozen=True)
-class ReshapeMap:
+class ReshapeMap(_DimMapDefaults):
     """reshape / view / flatten / squeeze / unsqueeze: a sharded dim survives when it keeps its
     length and the product of the dims before it (so the flat order of its chunks is kept)."""
 
@@ -148,21 +138,10 @@ class ReshapeMap:
                 return od
         return None
 
-    def stretched(self, i: int, dim: int) -> bool:
-        return False
-
-    def in_dim(self, i: int, out_dim: int) -> int | None:
-        return None
-
-    def fixed(self, i: int, dim: int) -> int | None:
-        return None
-
-    def out_fixed(self, dim: int) -> int | None:
-        return None
 
 
 @dataclass(frozen=True)
-class IndexMap:
+class IndexMap(_DimMapDefaults):
     """Basic indexing: ``kept[d]`` is the output dim of input dim ``d`` when ``d`` is taken
     whole (a full slice), else None."""
 
@@ -171,21 +150,10 @@ class IndexMap:
     def to_out(self, i: int, dim: int) -> int | None:
         return self.kept[dim]
 
-    def stretched(self, i: int, dim: int) -> bool:
-        return False
-
-    def in_dim(self, i: int, out_dim: int) -> int | None:
-        return None
-
-    def fixed(self, i: int, dim: int) -> int | None:
-        return None
-
-    def out_fixed(self, dim: int) -> int | None:
-        return None
 
 
 @dataclass(frozen=True)
-class JoinMap:
+class JoinMap(_DimMapDefaults):
     """cat (``new_dim=False``) and stack (``new_dim=True``) along ``axis``; the joined dim of
     ``cat`` cannot stay sharded."""
 
@@ -197,14 +165,3 @@ class JoinMap:
             return dim if dim < self.axis else dim + 1
         return None if dim == self.axis else dim
 
-    def stretched(self, i: int, dim: int) -> bool:
-        return False
-
-    def in_dim(self, i: int, out_dim: int) -> int | None:
-        return None
-
-    def fixed(self, i: int, dim: int) -> int | None:
-        return None
-
-    def out_fixed(self, dim: int) -> int | None:
-        return None
