@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import RANK, SIZE, Checker
 
 import dtorch_mpi as dt
-from conftest import RANK, SIZE, Checker
 from dtorch_mpi.comm import Group, MPIBackend
 from dtorch_mpi.split import split_offsets, split_sizes
 
@@ -33,7 +33,7 @@ def test_collectives_against_numpy(mesh1d: dt.DeviceMesh, async_op: bool, check:
             check.equal(got, full, f"all_gather rows={rows} axis={axis}")
             root = SIZE - 1
             out = np.empty_like(mine)
-            got = BACKEND.scatter(group, full if RANK == root else None, out, axis, sizes, root, async_op).wait()
+            got = BACKEND.scatter(group, full if root == RANK else None, out, axis, sizes, root, async_op).wait()
             check.equal(got, mine, f"scatter rows={rows} axis={axis}")
             red = BACKEND.reduce_scatter(group, full, np.empty_like(mine), axis, sizes, "sum", async_op).wait()
             check.equal(red, mine * SIZE, f"reduce_scatter rows={rows} axis={axis}")
