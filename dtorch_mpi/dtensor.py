@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -11,12 +12,26 @@ from .dtypes import check_dtype, dtype_code
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Placement, Replicate, Shard, normalize_placements
-from .redistribute import PlanHandle, array_namespace, plan_redistribute, run_plan
+from .redistribute import CompiledHandle, array_namespace, compile_plan, run_compiled
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
 from .spmd import agreed
 
 MAX_NDIM = 32
+
+
+@lru_cache(maxsize=1024)
+def _normalized_tuple(placements: tuple[Placement, ...], mesh_ndim: int, ndim: int) -> tuple[Placement, ...]:
+    return normalize_placements(placements, mesh_ndim, ndim)
+
+
+def _normalized(placements: Sequence[Placement] | Placement, mesh_ndim: int, ndim: int) -> tuple[Placement, ...]:
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    try:
+        return _normalized_tuple(tuple(placements), mesh_ndim, ndim)
+    except TypeError:  # unhashable entries: let normalize_placements name the problem
+        return normalize_placements(placements, mesh_ndim, ndim)
 
 
 class DTensor:
@@ -27,7 +42,7 @@ class DTensor:
 
     __slots__ = ("_local", "_spec", "_pending", "__weakref__")
 
-    def __init__(self, local: Any, spec: DTensorSpec, *, _pending: PlanHandle | None = None):
+    def __init__(self, local: Any, spec: DTensorSpec, *, _pending: CompiledHandle | None = None):
         self._local = local
         self._spec = spec
         self._pending = _pending
@@ -137,15 +152,11 @@ class DTensor:
                 f"the target is {device_mesh!r}; gather with to_torch() and distribute_tensor() "
                 f"onto the new mesh instead"
             )
-        target = self.placements if placements is None else normalize_placements(
-            placements, mesh.ndim, self.ndim
-        )
-        steps = plan_redistribute(self.placements, target)
-        spec = self._spec.with_placements(target)
+        target = self.placements if placements is None else _normalized(placements, mesh.ndim, self.ndim)
+        plan = compile_plan(self._spec, target)
         if async_op:
-            return DTensor(None, spec, _pending=PlanHandle(
-                self.to_local(), steps, mesh, self.shape, self.placements))
-        return DTensor(run_plan(self.to_local(), steps, mesh, self.shape, self.placements), spec)
+            return DTensor(None, plan.out_spec, _pending=CompiledHandle(self.to_local(), plan))
+        return DTensor(run_compiled(self.to_local(), plan), plan.out_spec)
 
     def to_torch(self) -> Any:
         """The complete value on every rank of the mesh (NumPy for "cpu", CuPy for "cuda").
@@ -161,12 +172,8 @@ class DTensor:
     def to_torch_async(self) -> "GatherHandle":
         """Start gathering the complete value on nonblocking collectives; see GatherHandle."""
         mesh = self.device_mesh
-        target = (Replicate(),) * mesh.ndim
-        steps = plan_redistribute(self.placements, target)
-        return GatherHandle(
-            PlanHandle(self.to_local(), steps, mesh, self.shape, self.placements),
-            mesh.get_coordinate() is not None,
-        )
+        plan = compile_plan(self._spec, (Replicate(),) * mesh.ndim)
+        return GatherHandle(CompiledHandle(self.to_local(), plan), mesh.get_coordinate() is not None)
 
     # --- construction ---------------------------------------------------------------------
     @staticmethod
@@ -199,7 +206,7 @@ class DTensor:
 class GatherHandle:
     """Handle of ``to_torch_async()``: ``done()`` polls, ``wait()`` returns the complete value."""
 
-    def __init__(self, plan: PlanHandle, member: bool) -> None:
+    def __init__(self, plan: CompiledHandle, member: bool) -> None:
         self._plan = plan
         self._member = member
 

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import MeshMismatchError, PlacementError
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
-from ..redistribute import Step, plan_redistribute
+from ..redistribute import CompiledPlan, compile_plan, run_compiled
 from ..spec import DTensorSpec
 from .signature import DimMap, Signature, match_mesh_dim
 
@@ -31,8 +31,8 @@ class OpPlan:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     shape: tuple[int, ...]
-    prepare: tuple[tuple[Step, ...] | None, ...]
-    """Per input: zero-communication slice steps to apply to its local piece (or None)."""
+    prepare: tuple[CompiledPlan | None, ...]
+    """Per input: a zero-communication plan of slices to apply to its local piece (or None)."""
     reduced_sharded: bool = False
     xp: Any = None
     out_specs: dict = field(default_factory=dict, compare=False, hash=False)
@@ -90,26 +90,23 @@ def infer(
             target = targets[i]
             assert target is not None
             target[k] = Shard(d)
-    prepare: list[tuple[Step, ...] | None] = []
+    prepare: list[CompiledPlan | None] = []
     for spec, target in zip(specs, targets):
         if spec is None or target is None or tuple(target) == spec.placements:
             prepare.append(None)
         else:
-            prepare.append(plan_redistribute(spec.placements, tuple(target)))
+            plan = compile_plan(spec, tuple(target))
+            assert not plan.communicates, "an operator plan must never communicate"
+            prepare.append(plan)
     from ..redistribute import array_namespace
 
     return OpPlan(mesh, tuple(out), out_shape, tuple(prepare), reduced_sharded,
                   array_namespace(mesh.device_type))
 
 
-def prepared(local: Any, spec: DTensorSpec, steps: tuple[Step, ...] | None) -> Any:
-    """Apply a plan's local slice steps (never communication) to an input piece."""
-    if not steps:
-        return local
-    from ..redistribute import run_plan
-
-    assert all(not s.communicates for s in steps)
-    return run_plan(local, steps, spec.mesh, spec.shape, spec.placements)
+def prepared(local: Any, spec: DTensorSpec, plan: CompiledPlan | None) -> Any:
+    """Apply a plan's local slices (never communication) to an input piece."""
+    return local if plan is None else run_compiled(local, plan)
 
 
 def placement_error(

@@ -1,6 +1,7 @@
-"""Redistribute: planning (pure) and execution (explicit communication)."""
+"""Redistribute: planning (pure), compilation (metadata, cached) and execution (explicit communication)."""
 
-from .executor import PlanHandle, array_namespace, run_plan, run_step
+from .executor import CompiledHandle, CompiledPlan, array_namespace, compile_plan, run_compiled
 from .planner import Step, plan_redistribute
 
-__all__ = ["PlanHandle", "Step", "array_namespace", "plan_redistribute", "run_plan", "run_step"]
+__all__ = ["CompiledHandle", "CompiledPlan", "Step", "array_namespace", "compile_plan", "plan_redistribute",
+           "run_compiled"]

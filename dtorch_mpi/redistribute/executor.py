@@ -1,16 +1,19 @@
-"""Running a redistribute plan on the local piece: blocking, or as a chain of nonblocking steps."""
+"""Running a redistribute plan on the local piece: compiled once per (source spec, target
+placements), then run with blocking collectives or as a chain of nonblocking steps."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 from ..comm import Group, Work, backend_for, completed
-from ..comm.layout import with_dim
-from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Shard
-from ..split import chunk_at_mesh_dim, split_range, split_sizes
-from .planner import Step
+from ..split import local_shape_and_offset, split_range, split_sizes
+from .planner import plan_redistribute
+
+if TYPE_CHECKING:
+    from ..spec import DTensorSpec
 
 
 def array_namespace(device_type: str) -> Any:
@@ -23,107 +26,114 @@ def array_namespace(device_type: str) -> Any:
     return numpy
 
 
-def run_step(
-    step: Step,
-    x: Any,
-    mesh: DeviceMesh,
-    global_shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    async_op: bool,
-) -> Work:
-    """Apply one step to local piece ``x`` (whose current placements are ``placements``)."""
-    k = step.mesh_dim
-    coord = mesh.get_coordinate()
-    assert coord is not None
-    m = mesh.shape[k]
-    me = coord[k]
-    xp = array_namespace(mesh.device_type)
-    src, dst = step.src, step.dst
-    kind = step.kind
-    if kind == "slice":
-        assert isinstance(dst, Shard)
-        size, start = split_range(x.shape[dst.dim], m, me)
-        return completed(x[(slice(None),) * dst.dim + (slice(start, start + size),)])
-    if kind == "to_partial":
-        assert isinstance(dst, Partial)
-        if dst.reduce_op == "sum" and me != 0:
-            return completed(xp.zeros_like(x))
-        return completed(x)
-    group = Group(mesh.get_group(k), k)
-    backend = backend_for(mesh.device_type)
-    if kind == "all_gather":
-        assert isinstance(src, Shard)
-        d = src.dim
-        length, _ = chunk_at_mesh_dim(global_shape, mesh.shape, placements, coord, k, d)
-        out = xp.empty(with_dim(x.shape, d, length), dtype=x.dtype)
-        return backend.all_gather(group, x, out, d, split_sizes(length, m), async_op)
-    if kind == "all_to_all":
-        assert isinstance(src, Shard) and isinstance(dst, Shard)
-        d, e = src.dim, dst.dim
-        length, _ = chunk_at_mesh_dim(global_shape, mesh.shape, placements, coord, k, d)
-        concat_sizes = split_sizes(length, m)
-        send_sizes = split_sizes(x.shape[e], m)
-        out = xp.empty(with_dim(with_dim(x.shape, d, length), e, send_sizes[me]), dtype=x.dtype)
-        return backend.all_to_all(group, x, out, e, send_sizes, d, concat_sizes, async_op)
-    assert isinstance(src, Partial)
-    if kind == "all_reduce":
-        out = xp.empty(x.shape, dtype=x.dtype)
-        return backend.all_reduce(group, x, out, src.reduce_op, async_op)
-    assert isinstance(dst, Shard)
-    sizes = split_sizes(x.shape[dst.dim], m)
-    out = xp.empty(with_dim(x.shape, dst.dim, sizes[me]), dtype=x.dtype)
-    return backend.reduce_scatter(group, x, out, dst.dim, sizes, src.reduce_op, async_op)
-
-
 def _with_placement(
     placements: tuple[Placement, ...], k: int, p: Placement
 ) -> tuple[Placement, ...]:
     return placements[:k] + (p,) + placements[k + 1 :]
 
 
-def run_plan(
-    x: Any,
-    steps: tuple[Step, ...],
-    mesh: DeviceMesh,
-    global_shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-) -> Any:
-    """Run every step with blocking collectives; return the new local piece."""
-    if mesh.get_coordinate() is None:
+@dataclass(frozen=True)
+class CompiledStep:
+    """One step with everything precomputed from the split rule (no per-call arithmetic)."""
+
+    kind: str
+    group: Group | None
+    args: tuple[Any, ...]
+    out_shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CompiledPlan:
+    out_spec: "DTensorSpec"
+    steps: tuple[CompiledStep, ...]
+
+    @property
+    def communicates(self) -> bool:
+        return any(s.group is not None for s in self.steps)
+
+
+@lru_cache(maxsize=4096)
+def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> CompiledPlan:
+    """The redistribute from ``spec`` to ``target`` placements, compiled for this rank and
+    cached on (source spec, target placements): metadata only."""
+    mesh = spec.mesh
+    out_spec = spec.with_placements(target)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return CompiledPlan(out_spec, ())
+    placements = spec.placements
+    shape = spec.local_shape
+    compiled = []
+    for step in plan_redistribute(placements, target):
+        k, m, me = step.mesh_dim, mesh.shape[step.mesh_dim], coord[step.mesh_dim]
+        after = _with_placement(placements, k, step.dst)
+        out_shape = local_shape_and_offset(spec.shape, mesh.shape, after, coord)[0]
+        kind = step.kind
+        group = None if kind in ("slice", "to_partial") else Group(mesh.get_group(k), k)
+        src, dst = step.src, step.dst
+        if kind == "slice":
+            assert isinstance(dst, Shard)
+            size, start = split_range(shape[dst.dim], m, me)
+            args: tuple[Any, ...] = ((slice(None),) * dst.dim + (slice(start, start + size),),)
+        elif kind == "to_partial":
+            assert isinstance(dst, Partial)
+            args = (dst.reduce_op == "sum" and me != 0,)
+        elif kind == "all_gather":
+            assert isinstance(src, Shard)
+            args = (src.dim, split_sizes(out_shape[src.dim], m))
+        elif kind == "all_to_all":
+            assert isinstance(src, Shard) and isinstance(dst, Shard)
+            args = (dst.dim, split_sizes(shape[dst.dim], m), src.dim, split_sizes(out_shape[src.dim], m))
+        elif kind == "all_reduce":
+            assert isinstance(src, Partial)
+            args = (src.reduce_op,)
+        else:
+            assert isinstance(src, Partial) and isinstance(dst, Shard)
+            args = (dst.dim, split_sizes(shape[dst.dim], m), src.reduce_op)
+        compiled.append(CompiledStep(kind, group, args, out_shape))
+        placements, shape = after, out_shape
+    return CompiledPlan(out_spec, tuple(compiled))
+
+
+def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Any, async_op: bool) -> Work:
+    kind, args = step.kind, step.args
+    if kind == "slice":
+        return completed(x[args[0]])
+    if kind == "to_partial":
+        return completed(xp.zeros_like(x) if args[0] else x)
+    out = xp.empty(step.out_shape, dtype=x.dtype)
+    group = step.group
+    assert group is not None
+    if kind == "all_gather":
+        return backend.all_gather(group, x, out, args[0], args[1], async_op)
+    if kind == "all_to_all":
+        return backend.all_to_all(group, x, out, *args, async_op)
+    if kind == "all_reduce":
+        return backend.all_reduce(group, x, out, args[0], async_op)
+    return backend.reduce_scatter(group, x, out, *args, async_op)
+
+
+def run_compiled(x: Any, plan: CompiledPlan) -> Any:
+    """Run a compiled plan with blocking collectives; return the new local piece."""
+    if not plan.steps:
         return x
-    for step in steps:
-        x = run_step(step, x, mesh, global_shape, placements, False).wait()
-        placements = _with_placement(placements, step.mesh_dim, step.dst)
+    mesh = plan.out_spec.mesh
+    xp, backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
+    for step in plan.steps:
+        x = run_compiled_step(step, x, xp, backend, False).wait()
     return x
 
 
-class PlanHandle:
-    """A plan running on nonblocking collectives.
+class CompiledHandle:
+    """A compiled plan on nonblocking collectives: ``done()`` polls and starts the next step,
+    ``wait()`` finishes and returns the new local piece."""
 
-    Each communicating step is started as soon as the previous one has finished; ``done()``
-    polls (and starts the next step), ``wait()`` finishes the whole plan and returns the new
-    local piece. Local steps (slices) run immediately.
-    """
-
-    def __init__(
-        self,
-        x: Any,
-        steps: tuple[Step, ...],
-        mesh: DeviceMesh,
-        global_shape: tuple[int, ...],
-        placements: tuple[Placement, ...],
-    ) -> None:
-        self._mesh = mesh
-        self._shape = global_shape
+    def __init__(self, x: Any, plan: CompiledPlan) -> None:
+        mesh = plan.out_spec.mesh
+        self._xp, self._backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
         self._x = x
+        self._steps = iter(plan.steps)
         self._work: Work | None = None
-        self._steps: Iterator[tuple[Step, tuple[Placement, ...]]] = iter(())
-        if mesh.get_coordinate() is not None:
-            staged = []
-            for step in steps:
-                staged.append((step, placements))
-                placements = _with_placement(placements, step.mesh_dim, step.dst)
-            self._steps = iter(staged)
         self._advance()
 
     def _advance(self) -> bool:
@@ -133,11 +143,10 @@ class PlanHandle:
                     return False
                 self._x = self._work.wait()
                 self._work = None
-            nxt = next(self._steps, None)
-            if nxt is None:
+            step = next(self._steps, None)
+            if step is None:
                 return True
-            step, placements = nxt
-            self._work = run_step(step, self._x, self._mesh, self._shape, placements, True)
+            self._work = run_compiled_step(step, self._x, self._xp, self._backend, True)
 
     def done(self) -> bool:
         return self._advance()
