@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
+from math import prod
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -62,7 +63,7 @@ class DTensor:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self._spec.shape, dtype=np.int64))
+        return prod(self._spec.shape)
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -14,6 +14,7 @@ Default seed: 0 (or ``DTORCH_SEED``); every rank must make the same sequence of 
 from __future__ import annotations
 
 import os
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -72,7 +73,7 @@ class _Counters:
 
     def __init__(self, key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...],
                  offset: tuple[int, ...], xp: Any) -> None:
-        self.size = int(np.prod(local_shape, dtype=np.int64))
+        self.size = prod(local_shape)
         self.width = local_shape[-1] if local_shape else 1
         self.rows = self.size // self.width if self.width else 0
         strides = [1] * len(global_shape)

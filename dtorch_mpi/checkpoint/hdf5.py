@@ -25,6 +25,7 @@ import sys
 import uuid
 import warnings
 from collections.abc import Mapping
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -109,7 +110,7 @@ def _write_slab(h5py: Any, ds: Any, piece: tuple[Any, Any, Any] | None, collecti
     if collective:
         dxpl.set_dxpl_mpio(h5fd.MPIO_COLLECTIVE)
     fspace = ds.id.get_space()
-    if piece is None or int(np.prod(piece[1])) == 0:
+    if piece is None or prod(piece[1]) == 0:
         if not collective:
             return
         mspace = h5s.create_simple((1,))
@@ -240,7 +241,7 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tuple
         if turn == rank and error is None:
             try:
                 pieces = [(name, _writer_piece(t)) for name, t in tensors]
-                if any(p is not None and int(np.prod(p[1])) for _, p in pieces):
+                if any(p is not None and prod(p[1]) for _, p in pieces):
                     with h5py.File(tmp, "r+") as f:
                         for name, piece in pieces:
                             if piece is not None and int(np.prod(piece[1])):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -282,8 +283,8 @@ class MPIBackend:
         comm = group.comm
         send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
         recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
-        send_counts = [int(np.prod(b)) for b in send_blocks]
-        recv_counts = [int(np.prod(b)) for b in recv_blocks]
+        send_counts = [prod(b) for b in send_blocks]
+        recv_counts = [prod(b) for b in recv_blocks]
         # a side whose blocks are already contiguous moves in place, with no copy
         pack_needed = padded or view3(send.shape, split_axis)[0] > 1
         unpack_needed = padded or view3(out.shape, concat_axis)[0] > 1
@@ -514,7 +515,7 @@ def _global_block(
     shape[split_axis] = max(split_sizes)
     if concat_axis != split_axis:
         shape[concat_axis] = max(concat_sizes)
-    return int(np.prod(shape))
+    return prod(shape)
 
 
 def _all_to_all_is_empty(
@@ -523,7 +524,7 @@ def _all_to_all_is_empty(
 ) -> bool:
     """True when no rank of the group has anything to send (the same answer on every rank)."""
     others = [n for i, n in enumerate(send_shape) if i not in (split_axis, concat_axis)]
-    return int(np.prod(others)) == 0 or sum(split_sizes) == 0 or sum(concat_sizes) == 0
+    return prod(others) == 0 or sum(split_sizes) == 0 or sum(concat_sizes) == 0
 
 
 def _divide(buf: np.ndarray, m: int) -> None:

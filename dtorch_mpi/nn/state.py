@@ -18,6 +18,7 @@ and every rank raises the same error.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -99,7 +100,7 @@ def _read_piece(param: Parameter, value: Any) -> Any:
     for k, p in enumerate(param.placements):
         if isinstance(p, Partial) and p.reduce_op != "avg" and coord[k] != 0:
             return xp.full(local_shape, identity_value(param.dtype, p.reduce_op), dtype=param.dtype)
-    if int(np.prod(local_shape)) == 0:
+    if prod(local_shape) == 0:
         return xp.empty(local_shape, dtype=param.dtype)
     index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
     if mesh.device_type == "cpu" and np.dtype(value.dtype) == param.dtype and hasattr(value, "read_direct") and index:
