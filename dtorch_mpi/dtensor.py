@@ -16,7 +16,7 @@ from .placement import Placement, Replicate, Shard, normalize_placements
 from .redistribute import CompiledHandle, array_namespace, compile_plan, run_compiled
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
-from .spmd import agreed
+from .spmd import agree
 
 MAX_NDIM = 32
 
@@ -247,13 +247,15 @@ def _from_local_checked(
         global_shape = tuple(int(s) for s in shape)
         plc = normalize_placements(placements, mesh.ndim, len(global_shape))
         return DTensor(xp_local, DTensorSpec(mesh, plc, global_shape, check_dtype(xp_local.dtype)))
+    # one all-gather carries every rank's status, ndim, dtype, piece shape and shape= argument;
+    # only when some rank reports a problem do the ranks exchange the error message
     record = np.full(3 + 2 * MAX_NDIM, -1, dtype=np.int64)
+    record[0] = 0
     problem: Exception | None = None
     try:
         xp_local = _as_local(local, mesh)
         if xp_local.ndim > MAX_NDIM:
             raise ShapeMismatchError(f"pieces have {xp_local.ndim} dims; at most {MAX_NDIM} are supported")
-        record[0] = 0
         record[1] = xp_local.ndim
         record[2] = dtype_code(xp_local.dtype)
         record[3 : 3 + xp_local.ndim] = xp_local.shape
@@ -267,11 +269,11 @@ def _from_local_checked(
         normalize_placements(placements, mesh.ndim, xp_local.ndim)
     except Exception as exc:
         problem = exc
-    with agreed(comm):
-        if problem is not None:
-            raise problem
+        record[0] = 1
     table = np.empty((comm.Get_size(), record.size), dtype=np.int64)
     comm.Allgather(record, table)
+    if table[:, 0].any():
+        agree(comm, problem)  # every rank sees the failure flag, so every rank calls it
     ndims = set(table[:, 1].tolist())
     if len(ndims) != 1:
         raise ShapeMismatchError(

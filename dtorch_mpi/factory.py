@@ -10,7 +10,6 @@ import numpy as np
 from mpi4py import MPI
 
 from . import random as _random
-from .comm import CommCounter  # noqa: F401  (re-exported for users of this module)
 from .comm.counter import record
 from .dtensor import DTensor
 from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value
@@ -20,7 +19,7 @@ from .placement import Partial, Placement, normalize_placements
 from .redistribute import array_namespace
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
-from .spmd import agreed
+from .spmd import agree
 
 DEFAULT_DTYPE = np.dtype("float32")
 MAX_NDIM = 32
@@ -189,7 +188,10 @@ def distribute_tensor(
         raise ValueError(f"src_data_rank={src_data_rank} is not a rank of a mesh of {size} ranks")
     me = comm.Get_rank()
     holds = src_data_rank is None or me == src_data_rank
-    meta = np.full(2 + MAX_NDIM, -1, dtype=np.int64)
+    # [status, ndim, dtype code, shape...]: one collective carries the metadata and the status;
+    # only when a holder reports a problem do the ranks exchange the error message
+    meta = np.full(3 + MAX_NDIM, -1, dtype=np.int64)
+    meta[0] = 0
     problem: Exception | None = None
     if holds:
         try:
@@ -197,18 +199,18 @@ def distribute_tensor(
                 raise TypeError(f"distribute_tensor needs an array, got {type(array).__name__}")
             if array.ndim > MAX_NDIM:
                 raise ShapeMismatchError(f"arrays of more than {MAX_NDIM} dims are not supported")
-            meta[0], meta[1] = array.ndim, dtype_code(array.dtype)
-            meta[2 : 2 + array.ndim] = array.shape
+            meta[1], meta[2] = array.ndim, dtype_code(array.dtype)
+            meta[3 : 3 + array.ndim] = array.shape
             normalize_placements(placements, mesh.ndim, array.ndim)
         except Exception as exc:
             problem = exc
-    with agreed(comm):
-        if problem is not None:
-            raise problem
+            meta[0] = 1
     if src_data_rank is None:
         both = np.concatenate([meta, -meta])
         lowest = np.empty_like(both)
         comm.Allreduce(both, lowest, op=MPI.MIN)
+        if lowest[meta.size] != 0:  # that is -max(status): some rank failed
+            agree(comm, problem)
         if not np.array_equal(lowest[: meta.size], -lowest[meta.size :]):
             raise ShapeMismatchError(
                 "distribute_tensor(src_data_rank=None) needs the same array shape and dtype on "
@@ -216,9 +218,11 @@ def distribute_tensor(
             )
     else:
         comm.Bcast(meta, root=src_data_rank)
-    ndim = int(meta[0])
-    shape = tuple(int(s) for s in meta[2 : 2 + ndim])
-    dt = dtype_from_code(int(meta[1]))
+        if meta[0] != 0:
+            agree(comm, problem)
+    ndim = int(meta[1])
+    shape = tuple(int(s) for s in meta[3 : 3 + ndim])
+    dt = dtype_from_code(int(meta[2]))
     plc = normalize_placements(placements, mesh.ndim, ndim)
     spec = DTensorSpec(mesh, plc, shape, dt)
     local_shape, offset = spec.local_shape_and_offset

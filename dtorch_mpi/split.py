@@ -49,27 +49,6 @@ def local_shape_and_offset(
     return tuple(shape), tuple(offset)
 
 
-def chunk_at_mesh_dim(
-    global_shape: tuple[int, ...],
-    mesh_shape: tuple[int, ...],
-    placements: tuple[Placement, ...],
-    coordinate: tuple[int, ...],
-    mesh_dim: int,
-    tensor_dim: int,
-) -> tuple[int, int]:
-    """``(length, offset)`` along ``tensor_dim`` of the chunk that mesh dim ``mesh_dim`` splits.
-
-    That is the range left by the shards of the mesh dims before ``mesh_dim``.
-    """
-    length, offset = global_shape[tensor_dim], 0
-    for k in range(mesh_dim):
-        p = placements[k]
-        if isinstance(p, Shard) and p.dim == tensor_dim:
-            size, start = split_range(length, mesh_shape[k], coordinate[k])
-            length, offset = size, offset + start
-    return length, offset
-
-
 def compute_local_shape_and_offset(
     global_shape: Sequence[int],
     device_mesh: "DeviceMesh",

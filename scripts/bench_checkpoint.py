@@ -10,28 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import tempfile
-import time
 
 import h5py
 import numpy as np
+from benchtools import timed
 from mpi4py import MPI
 
 import dtorch_mpi as dt
 
 WORLD = MPI.COMM_WORLD
-
-
-def timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        WORLD.Barrier()
-        start = time.perf_counter()
-        fn()
-        WORLD.Barrier()
-        times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -78,8 +66,8 @@ def main() -> None:
 
         target = {k: dt.zeros(*shape, device_mesh=mesh, placements=[dt.Shard(0)]) for k in state}
         results = [
-            ("save", timed(lambda: dt.save(state, ours_path), args.reps), timed(raw_write, args.reps)),
-            ("load", timed(lambda: dt.load(ours_path, target), args.reps), timed(raw_read, args.reps)),
+            ("save", timed(lambda: dt.save(state, ours_path), args.reps, warmup=False, after=WORLD.Barrier), timed(raw_write, args.reps, warmup=False, after=WORLD.Barrier)),
+            ("load", timed(lambda: dt.load(ours_path, target), args.reps, warmup=False, after=WORLD.Barrier), timed(raw_read, args.reps, warmup=False, after=WORLD.Barrier)),
         ]
         if rank == 0:
             for op, ours, raw in results:

@@ -8,30 +8,15 @@ CUDA-aware MPI on device buffers.
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import cupy
 import numpy as np
+from benchtools import timed
 from mpi4py import MPI
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import backend_for
 
 WORLD = MPI.COMM_WORLD
-
-
-def timed(fn, reps: int = 10) -> float:
-    fn()
-    cupy.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(reps):
-        WORLD.Barrier()
-        start = time.perf_counter()
-        fn()
-        cupy.cuda.get_current_stream().synchronize()
-        times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -63,7 +48,8 @@ def main() -> None:
 
         for case, ours, raw in (("S(0)->R", lambda: x.redistribute(placements=[dt.Replicate()]), raw_gather),
                                 ("P->R", lambda: p.redistribute(placements=[dt.Replicate()]), raw_reduce)):
-            t, r = timed(ours), timed(raw)
+            sync = cupy.cuda.get_current_stream().synchronize
+            t, r = timed(ours, 10, after=sync), timed(raw, 10, after=sync)
             if WORLD.Get_rank() == 0:
                 print(f"{case:<18} {shape!s:>13} {t * 1e3:>10.3f} {r * 1e3:>9.3f} {t / r:>6.2f}")
     mesh.free()

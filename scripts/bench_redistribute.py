@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
+from benchtools import timed
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -31,18 +30,6 @@ from dtorch_mpi.comm import set_comm_path
 from dtorch_mpi.split import split_sizes
 
 WORLD = MPI.COMM_WORLD
-
-
-def timed(fn: Callable[[], object], reps: int, comm: MPI.Intracomm) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        times.append(comm.allreduce(elapsed, op=MPI.MAX))
-    return statistics.median(times)
 
 
 def peak_extra(fn: Callable[[], object]) -> int:

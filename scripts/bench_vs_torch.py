@@ -9,28 +9,14 @@ ratio < 1 means dtorch_mpi is faster.
 from __future__ import annotations
 
 import os
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
+from benchtools import timed
 from mpi4py import MPI
 
 import dtorch_mpi as dt
 
 WORLD = MPI.COMM_WORLD
-
-
-def timed(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        WORLD.Barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -76,23 +76,22 @@ def main() -> int:
     runs = [(stack, py, mpx, path, size, extra) for stack, py, mpx, paths, extra in stacks
             for path in paths for size in (int(s) for s in args.sizes.split(","))]
     for stack, py, mpiexec, path, size, extra in runs:
-        if True:
-            env = dict(os.environ, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1")
-            env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{stack}-{path}-n{size}")
-            pytest_cmd = [py, "-m", "pytest", "-q", *extra]
-            if size == 1:
-                cmd = pytest_cmd
-            else:
-                cmd = [*shlex.split(mpiexec), "-n", str(size),
-                       os.path.join(ROOT, "tests", "rank_wrapper.sh"), *pytest_cmd, "--with-mpi"]
-            rc, text = run(cmd, env, args.run_timeout)
-            got = counts(text)
-            for k in total:
-                total[k] += got[k]
-            if rc not in (0,):
-                bad_runs.append(f"{stack} {path} n={size} (exit {rc})")
-                if got["failed"] == 0 and got["errors"] == 0:
-                    total["failed"] += 1
+        env = dict(os.environ, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1")
+        env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{stack}-{path}-n{size}")
+        pytest_cmd = [py, "-m", "pytest", "-q", *extra]
+        if size == 1:
+            cmd = pytest_cmd
+        else:
+            cmd = [*shlex.split(mpiexec), "-n", str(size),
+                   os.path.join(ROOT, "tests", "rank_wrapper.sh"), *pytest_cmd, "--with-mpi"]
+        rc, text = run(cmd, env, args.run_timeout)
+        got = counts(text)
+        for k in total:
+            total[k] += got[k]
+        if rc not in (0,):
+            bad_runs.append(f"{stack} {path} n={size} (exit {rc})")
+            if got["failed"] == 0 and got["errors"] == 0:
+                total["failed"] += 1
     print()
     if bad_runs:
         print("failed runs: " + ", ".join(bad_runs))

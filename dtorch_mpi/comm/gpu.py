@@ -17,13 +17,13 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .._mpi import library_world, node_local_rank
-from .config import GPU_BACKENDS, comm_path
+from .._mpi import library_world
+from .config import GPU_BACKENDS
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
 from .mpi_backend import MPIBackend
-from .work import Work, completed
+from .work import Work, completed, moves_nothing
 
 
 # --- selection -----------------------------------------------------------------------------
@@ -256,10 +256,8 @@ class NCCLBackend:
         import cupy
 
         m = group.size
-        if m == 1 or out.size == 0:
-            if m == 1:
-                out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
+            return done
         outer, length, inner = view3(out.shape, axis)
         record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes, len(set(sizes)) > 1, async_op)
         block, plan = padded_plan(sizes, inner)
@@ -281,10 +279,8 @@ class NCCLBackend:
         from cupy.cuda import nccl
 
         m = group.size
-        if m == 1 or out.size == 0:
-            if m == 1:
-                out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
+            return done
         record("all_reduce", group.mesh_dim, send.nbytes, out.nbytes, False, async_op)
         wire, _ = nccl_wire(out.dtype, True)
         src = cupy.ascontiguousarray(send).astype(wire, copy=False) if out.dtype.kind != "c" else \
@@ -315,9 +311,8 @@ class NCCLBackend:
         from cupy.cuda import nccl
 
         m = group.size
-        if m == 1:
-            out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out)) is not None:
+            return done
         record("all_to_all", group.mesh_dim, send.nbytes, out.nbytes, True, async_op)
         comm = self._nccl(group)
         stream = self._stream()
@@ -338,8 +333,8 @@ class NCCLBackend:
         return completed(out)
 
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Any:
-        if group.size == 1 or buf.size == 0:
-            return completed(buf)
+        if (done := moves_nothing(group.size, buf, buf, buf.size == 0)) is not None:
+            return done
         flat, t = self._wire(buf, False)
         self._nccl(group).bcast(flat.data.ptr, flat.size, t, root, self._stream())
         return completed(buf)
@@ -356,5 +351,5 @@ class NCCLBackend:
 
 
 __all__ = ["CudaAwareMPIBackend", "DeviceAdapter", "HostStagingBackend", "NCCLBackend", "choose_backend",
-           "comm_path", "gpu_backend", "mpi_is_cuda_aware", "nccl_wire", "node_local_rank", "padded_plan",
+           "gpu_backend", "mpi_is_cuda_aware", "nccl_wire", "padded_plan",
            "uid_from_bytes", "uid_to_bytes"]

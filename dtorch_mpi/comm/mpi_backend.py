@@ -21,7 +21,7 @@ from .config import comm_path, spmd_debug
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
-from .work import Work, completed
+from .work import Work, completed, moves_nothing
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -146,10 +146,8 @@ class MPIBackend:
         if spmd_debug():
             check_same_call(group, _describe("all_gather", out, axis=axis))
         m = group.size
-        if m == 1 or out.size == 0:
-            if m == 1:
-                out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
+            return done
         send = _contiguous(send)
         outer, length, inner = view3(out.shape, axis)
         item = out.dtype.itemsize
@@ -266,9 +264,8 @@ class MPIBackend:
             check_same_call(group, _describe("all_to_all", None, split=split_axis, concat=concat_axis,
                                              dtype=out.dtype))
         m, me = group.size, group.rank
-        if m == 1:
-            out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out)) is not None:
+            return done
         send = _contiguous(send)
         item = out.dtype.itemsize
         etype = element_type(item)
@@ -341,10 +338,8 @@ class MPIBackend:
         if spmd_debug():
             check_same_call(group, _describe("all_reduce", out, op=reduce_op))
         m = group.size
-        if m == 1 or out.size == 0:
-            if m == 1:
-                out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
+            return done
         record("all_reduce", group.mesh_dim, send.nbytes, out.nbytes, False, async_op)
         wide = WIDENED.get(out.dtype)
         src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
@@ -380,9 +375,8 @@ class MPIBackend:
         if spmd_debug():
             check_same_call(group, _describe("reduce_scatter", send, axis=axis, op=reduce_op))
         m, me = group.size, group.rank
-        if m == 1:
-            out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out)) is not None:
+            return done
         outer, length, inner = view3(send.shape, axis)
         record("reduce_scatter", group.mesh_dim, send.nbytes - out.nbytes,
                (m - 1) * out.nbytes, comm_path() == "padded", async_op)
@@ -425,8 +419,8 @@ class MPIBackend:
         """Copy ``buf`` from group rank ``root`` to every rank, in place."""
         if spmd_debug():
             check_same_call(group, _describe("broadcast", buf, root=root))
-        if group.size == 1 or buf.size == 0:
-            return completed(buf)
+        if (done := moves_nothing(group.size, buf, buf, buf.size == 0)) is not None:
+            return done
         me = group.rank
         record("broadcast", group.mesh_dim, buf.nbytes * (group.size - 1) if me == root else 0,
                0 if me == root else buf.nbytes, False, async_op)
@@ -453,10 +447,8 @@ class MPIBackend:
         if spmd_debug():
             check_same_call(group, _describe("scatter", None, axis=axis, root=root, dtype=out.dtype))
         m, me = group.size, group.rank
-        if m == 1:
-            assert send is not None
-            out[...] = send
-            return completed(out)
+        if (done := moves_nothing(m, send, out)) is not None:
+            return done
         item = out.dtype.itemsize
         etype = element_type(item)
         record("scatter", group.mesh_dim,

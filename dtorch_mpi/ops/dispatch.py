@@ -104,7 +104,7 @@ def infer(
                   array_namespace(mesh.device_type))
 
 
-def prepared(local: Any, spec: DTensorSpec, plan: CompiledPlan | None) -> Any:
+def prepared(local: Any, plan: CompiledPlan | None) -> Any:
     """Apply a plan's local slices (never communication) to an input piece."""
     return local if plan is None else run_compiled(local, plan)
 

@@ -83,11 +83,11 @@ def binary_fast(op: str, a: Any, b: Any) -> DTensor:
     if sa is not None:
         a = a._local if a._pending is None else a.to_local()
         if pa is not None:
-            a = prepared(a, sa, pa)
+            a = prepared(a, pa)
     if sb is not None:
         b = b._local if b._pending is None else b.to_local()
         if pb is not None:
-            b = prepared(b, sb, pb)
+            b = prepared(b, pb)
     out = fn(a, b)
     return DTensor(out, plan.out_spec(out.dtype))
 
@@ -110,7 +110,7 @@ def elementwise(op: str, fn: Callable[..., Any], *operands: Any, **kwargs: Any) 
             locals_.append(x)
         else:
             local = x._local if x._pending is None else x.to_local()
-            locals_.append(local if steps is None else prepared(local, s, steps))
+            locals_.append(local if steps is None else prepared(local, steps))
     out = fn(plan.xp, *locals_, **kwargs)
     return DTensor(out, plan.out_spec(out.dtype))
 
@@ -125,7 +125,7 @@ def inplace(op: str, fn: Callable[..., Any], target: DTensor, other: Any) -> DTe
             f"from {list(target.placements)} shape {target.shape}; use the out-of-place form"
         )
     local = target.to_local()
-    rhs = prepared(_local(other), specs[1], plan.prepare[1]) if specs[1] is not None else other
+    rhs = prepared(_local(other), plan.prepare[1]) if specs[1] is not None else other
     fn(_xp(plan), local, rhs, out=local, casting="same_kind")
     return target
 
@@ -234,8 +234,8 @@ def matmul(a: DTensor, b: DTensor) -> DTensor:
     if sa is None or sb is None:
         raise TypeError("matmul: both operands must be DTensors (use * for scalars)")
     plan = _plan_matmul(sa, sb)
-    la = prepared(a.to_local(), sa, plan.prepare[0])
-    lb = prepared(b.to_local(), sb, plan.prepare[1])
+    la = prepared(a.to_local(), plan.prepare[0])
+    lb = prepared(b.to_local(), plan.prepare[1])
     return _wrap(_xp(plan).matmul(la, lb), plan)
 
 
