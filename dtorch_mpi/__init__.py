@@ -5,6 +5,7 @@ placement per mesh dim: ``Shard(dim)``, ``Replicate()`` or ``Partial(op)``.
 """
 
 from . import nn
+from .autograd import enable_grad, is_grad_enabled, no_grad
 from .checkpoint import has_parallel_hdf5, load, save
 from .comm import CommCounter, CommRecord, set_comm_path
 from .dtensor import DTensor, GatherHandle
@@ -66,6 +67,6 @@ __all__ = [
     "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
     "sharding_table", "visualize_sharding", "nn", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
     "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
-    "divide", "multiply", "subtract", "negative", "power",
+    "divide", "multiply", "subtract", "negative", "power", "enable_grad", "is_grad_enabled", "no_grad",
 ]
 __all__.extend(sorted(_UNARY) + sorted(_BINARY) + sorted(_REDUCTIONS) + sorted(_ARG_REDUCTIONS))

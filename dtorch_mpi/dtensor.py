@@ -41,12 +41,16 @@ class DTensor:
     ``to_local()`` is this rank's piece (no copy); ``to_torch()`` gathers the complete value.
     """
 
-    __slots__ = ("_local", "_spec", "_pending", "__weakref__")
+    __slots__ = ("_local", "_spec", "_pending", "_requires_grad", "_grad_fn", "grad", "__weakref__")
 
     def __init__(self, local: Any, spec: DTensorSpec, *, _pending: CompiledHandle | None = None):
         self._local = local
         self._spec = spec
         self._pending = _pending
+        self._requires_grad = False
+        self._grad_fn: Any = None
+        self.grad: DTensor | None = None
+        """The accumulated gradient (a DTensor on the same mesh), None before the first backward."""
 
     # --- metadata -------------------------------------------------------------------------
     @property
@@ -76,6 +80,37 @@ class DTensor:
     @property
     def spec(self) -> DTensorSpec:
         return self._spec
+
+    # --- autograd (dtorch_mpi.autograd records and replays; see docs/autograd.md) ---------
+    @property
+    def requires_grad(self) -> bool:
+        """True for a leaf that asked for gradients and for every result computed from one."""
+        return self._requires_grad
+
+    @requires_grad.setter
+    def requires_grad(self, flag: bool) -> None:
+        self.requires_grad_(flag)
+
+    def requires_grad_(self, requires_grad: bool = True) -> "DTensor":
+        """Mark this leaf as needing gradients (in place); returns self."""
+        if self._grad_fn is not None and not requires_grad:
+            raise RuntimeError("requires_grad can only be cleared on a leaf; use detach() instead")
+        self._requires_grad = bool(requires_grad)
+        return self
+
+    @property
+    def is_leaf(self) -> bool:
+        """True unless this tensor was computed by a recorded operation."""
+        return self._grad_fn is None
+
+    @property
+    def grad_fn(self) -> Any:
+        """The recorded operation that produced this tensor (None for a leaf)."""
+        return self._grad_fn
+
+    def detach(self) -> "DTensor":
+        """The same piece and spec, outside the autograd graph (no copy)."""
+        return DTensor(self.to_local(), self._spec)
 
     def __len__(self) -> int:
         if not self.shape:

@@ -14,10 +14,11 @@ class Parameter(DTensor):
 
     __slots__ = ()
 
-    def __init__(self, data: DTensor) -> None:
+    def __init__(self, data: DTensor, requires_grad: bool = True) -> None:
         if not isinstance(data, DTensor):
             raise TypeError(f"Parameter wraps a DTensor, got {type(data).__name__}")
         super().__init__(data.to_local(), data.spec)
+        self._requires_grad = bool(requires_grad)
 
     def _replace(self, local: Any, spec: Any) -> None:
         """Point this parameter at a new piece and spec (used by parallel styles)."""
