@@ -4,7 +4,7 @@ A DTensor is one global array whose pieces live on the MPI ranks of a DeviceMesh
 placement per mesh dim: ``Shard(dim)``, ``Replicate()`` or ``Partial(op)``.
 """
 
-from . import nn
+from . import nn, optim
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .checkpoint import has_parallel_hdf5, load, save
 from .comm import CommCounter, CommRecord, set_comm_path
@@ -65,7 +65,7 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
-    "sharding_table", "visualize_sharding", "nn", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
+    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
     "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
     "divide", "multiply", "subtract", "negative", "power", "enable_grad", "is_grad_enabled", "no_grad",
 ]

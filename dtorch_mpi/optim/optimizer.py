@@ -1,0 +1,199 @@
+"""Optimizer base: param groups, per-parameter state with the parameter's spec, the gradient
+placement check, zero_grad, and PyTorch's state_dict layout."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
+
+from ..dtensor import DTensor
+from ..errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError, StateDictError
+from ..redistribute import array_namespace
+
+ParamsArg = Iterable[DTensor] | Iterable[tuple[str, DTensor]] | Iterable[dict[str, Any]]
+
+_FIX = "call dtorch.nn.utils.reduce_gradients(params) after backward() and before step()"
+
+
+class Optimizer:
+    """Base class. Subclasses name the tensors each parameter's state holds
+    (``_state_names(group)``) and implement ``_update(group, param, grad, state, xp)`` on
+    local pieces, in place."""
+
+    def __init__(self, params: ParamsArg, defaults: dict[str, Any]) -> None:
+        self.defaults = defaults
+        self.param_groups: list[dict[str, Any]] = []
+        self.state: dict[DTensor, dict[str, Any]] = {}
+        self._names: dict[int, str] = {}
+        groups = list(params)
+        if not groups:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for group in groups:
+            self.add_param_group(cast(dict[str, Any], group))
+
+    # --- groups ---------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group: ``{"params": [...], **hyperparameters}``; missing ones take defaults.
+        Parameters may be given as ``(name, param)`` pairs (``module.named_parameters()``):
+        errors then name them."""
+        group = dict(param_group)
+        params = group["params"]
+        entries = [params] if isinstance(params, DTensor) else list(params)
+        for entry in entries:
+            if isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str):
+                self._names[id(entry[1])] = entry[0]
+        group["params"] = [e[1] if isinstance(e, tuple) and len(e) == 2 else e for e in entries]
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                raise TypeError(f"optimizer parameters must be DTensors, got {type(p).__name__}")
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if any(id(p) in seen for p in group["params"]):
+            raise ValueError("a parameter appears in more than one parameter group")
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        self._validate(group)
+        self.param_groups.append(group)
+
+    def _validate(self, group: dict[str, Any]) -> None:
+        """Raise ValueError for a bad hyperparameter (subclasses check theirs)."""
+
+    def _indexed(self) -> list[tuple[int, dict[str, Any], DTensor]]:
+        """``(index, group, param)`` in PyTorch's state_dict numbering (across groups)."""
+        out, i = [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                out.append((i, group, p))
+                i += 1
+        return out
+
+    # --- stepping -------------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop every gradient (``set_to_none``) or fill it with zeros in place."""
+        for _, _, p in self._indexed():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.to_local()[...] = 0
+
+    def step(self) -> None:
+        """One update of every parameter with a gradient; local on each rank's piece."""
+        work = []
+        for index, group, p in self._indexed():
+            if p.grad is not None:
+                _check_grad(self._names.get(id(p), f"parameter {index}"), p, p.grad)
+                work.append((group, p))
+        for group, p in work:
+            xp = array_namespace(p.device_mesh.device_type)
+            state = self.state.get(p)
+            if state is None:
+                state = self.state[p] = self._init_state(group, p, xp)
+            self._update(group, p.to_local(), p.grad.to_local(), state, xp)  # type: ignore[union-attr]
+
+    def _init_state(self, group: dict[str, Any], p: DTensor, xp: Any) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": 0}
+        for name in self._state_names(group):
+            state[name] = DTensor(xp.zeros(p.spec.local_shape, dtype=p.dtype), p.spec)
+        return state
+
+    def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state tensors (each with its parameter's spec) a parameter of ``group`` has."""
+        raise NotImplementedError
+
+    def _update(self, group: dict[str, Any], param: Any, grad: Any, state: dict[str, Any], xp: Any) -> None:
+        raise NotImplementedError
+
+    # --- state_dict -----------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {index: {name: DTensor | int}}, "param_groups": [{..., "params": [index]}]}``,
+        PyTorch's layout. State tensors are the live DTensors (their parameter's placements)."""
+        index_of = {id(p): i for i, _, p in self._indexed()}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index_of[id(p)] for p in group["params"]]
+            groups.append(packed)
+        state = {index_of[id(p)]: dict(s) for p, s in self.state.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore hyperparameters and state. State tensors may be DTensors on the parameter's
+        mesh (redistributed to its placements when they differ) or complete arrays (each rank
+        keeps its piece); values are checked on every rank before anything changes."""
+        from ..nn.module import Parameter
+        from ..nn.state import load_into
+
+        if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
+            raise StateDictError('an optimizer state_dict is a mapping with keys "state" and "param_groups"')
+        saved_groups = list(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise StateDictError(
+                "the state_dict's parameter groups do not match this optimizer's: saved sizes "
+                f"{[len(s['params']) for s in saved_groups]}, here {[len(g['params']) for g in self.param_groups]}")
+        new_groups = [{**group, **{k: copy.deepcopy(v) for k, v in saved.items() if k != "params"}}
+                      for saved, group in zip(saved_groups, self.param_groups)]
+        for group in new_groups:
+            self._validate(group)
+        owner: dict[int, tuple[dict[str, Any], DTensor]] = {}
+        for saved, group in zip(saved_groups, new_groups):
+            owner.update((i, (group, p)) for i, p in zip(saved["params"], group["params"]))
+        targets: dict[str, Any] = {}
+        values: dict[str, Any] = {}
+        new_state: dict[DTensor, dict[str, Any]] = {}
+        for key_, saved_state in state_dict["state"].items():
+            index = int(key_)  # a checkpoint may give the indices back as strings
+            if index not in owner:
+                raise StateDictError(f"state for parameter {index}, which no group holds")
+            group, p = owner[index]
+            xp = array_namespace(p.device_mesh.device_type)
+            names = self._state_names(group)
+            entry: dict[str, Any] = {}
+            for name, value in saved_state.items():
+                if name in names:
+                    key = f"{index}.{name}"
+                    entry[name] = targets[key] = DTensor(xp.zeros(p.spec.local_shape, dtype=p.dtype), p.spec)
+                    values[key] = value
+                elif isinstance(value, DTensor) or hasattr(value, "shape"):
+                    raise StateDictError(f"state of parameter {index} has an unexpected tensor {name!r}")
+                else:
+                    entry[name] = copy.deepcopy(value)
+            missing = set(names) - set(entry)
+            if missing:
+                raise StateDictError(f"state of parameter {index} lacks {sorted(missing)}")
+            new_state[p] = entry
+        load_into(cast(dict[str, Parameter], targets), values)
+        self.param_groups = new_groups
+        self.state = new_state
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {k}: {v}" for k, v in sorted(group.items()) if k != "params"]
+        return "\n".join(lines) + "\n)"
+
+
+def _check_grad(label: str, p: DTensor, g: DTensor) -> None:
+    """A gradient must match its parameter's spec (metadata only: the same verdict everywhere)."""
+    name = f"{label} ({list(p.placements)}, shape {p.shape})"
+    if any(pl.is_partial() for pl in p.placements):
+        raise PlacementError(
+            f"{name} is Partial: an optimizer update is not local on Partial terms; "
+            f"redistribute the parameter to Replicate() or Shard() before optimizing it")
+    if not isinstance(g, DTensor):
+        raise TypeError(f"{name}: .grad is a {type(g).__name__}, not a DTensor")
+    if g.device_mesh != p.device_mesh:
+        raise MeshMismatchError(f"{name}: its gradient lives on another mesh ({g.device_mesh!r})")
+    if g.shape != p.shape:
+        raise ShapeMismatchError(f"{name}: its gradient has shape {g.shape}")
+    if g.placements != p.placements:
+        raise PlacementError(
+            f"{name}: its gradient has placements {list(g.placements)}; step() moves no data, so "
+            f"gradients must have their parameters' placements: {_FIX}")
+    if g.dtype != p.dtype:
+        raise DTypeMismatchError(f"{name} is {p.dtype}: its gradient is {g.dtype}; cast the gradient")
