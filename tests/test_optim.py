@@ -9,10 +9,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import SIZE, Checker, lengths_for, reference
+from conftest import RANK, SIZE, Checker, lengths_for, reference
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import Parameter
+from dtorch_mpi.nn.utils import clip_grad_norm_, reduce_gradients
 
 STEPS = 4
 PLACEMENTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
@@ -211,3 +212,143 @@ def test_bad_hyperparameters(mesh1d: dt.DeviceMesh) -> None:
     opt = dt.optim.SGD([p], lr=0.1)
     with pytest.raises(dt.StateDictError, match="groups"):
         opt.load_state_dict({"state": {}, "param_groups": []})
+
+
+# --- reduce_gradients and clip_grad_norm_ -------------------------------------------------
+
+def _partial_grad(mesh: dt.DeviceMesh, shape: tuple[int, ...], seed: int, op: str = "sum") -> tuple[dt.DTensor, np.ndarray]:
+    """A gradient whose pieces are different terms on every rank, and its reduced value."""
+    terms = [reference(shape, seed=seed * 100 + r) for r in range(SIZE)]
+    g = dt.DTensor.from_local(terms[RANK].copy(), mesh, [dt.Partial(op)] * mesh.ndim, shape=shape)
+    return g, (sum(terms) if op == "sum" else sum(terms) / SIZE)
+
+
+def _reduce_case(mesh: dt.DeviceMesh, grad_layouts: list[list[dt.Placement]], param_layouts: list[list[dt.Placement]],
+                 shapes: list[tuple[int, int]], check: Checker) -> None:
+    params, wants, before = [], [], []
+    seed = 0
+    for shape in shapes:
+        for gl in grad_layouts:
+            for pl in param_layouts:
+                seed += 1
+                op = "avg" if any(p == dt.Partial("avg") for p in gl) else "sum"
+                g, want = _partial_grad(mesh, shape, seed, op)
+                plain = [dt.Partial(op) if p == dt.Partial("avg") else p for p in gl]
+                p = Parameter(dt.zeros(*shape, dtype=np.float64, device_mesh=mesh, placements=pl))
+                p.grad = g.redistribute(placements=plain)
+                params.append(p)
+                wants.append(want)
+                before.append(p.grad)
+    reduce_gradients(params)
+    for p, want, old in zip(params, wants, before):
+        what = f"{list(old.placements)} -> {list(p.placements)} {p.shape}"
+        assert p.grad is not None
+        check.true(p.grad.placements == p.placements, f"{what}: grad placements {p.grad.placements}")
+        check.true(p.grad.to_local().shape == p.to_local().shape, f"{what}: local shape")
+        check.equal(p.grad.to_torch(), want, what, exact=False, rtol=1e-12, atol=1e-12)
+        if old.placements == p.placements:
+            check.true(p.grad is old, f"{what}: an already matching gradient is untouched")
+
+
+def test_reduce_gradients_1d(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    shapes = [(n, 3) for n in lengths_for(SIZE)] + [(3, n) for n in (0, SIZE + 1)]
+    _reduce_case(mesh1d, [[dt.Partial("sum")], [dt.Partial("avg")], [dt.Replicate()], [dt.Shard(0)]],
+                 [[dt.Replicate()], [dt.Shard(0)], [dt.Shard(1)]], shapes, check)
+    check.done()
+
+
+def test_reduce_gradients_2d(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    P, R, S0, S1 = dt.Partial("sum"), dt.Replicate(), dt.Shard(0), dt.Shard(1)
+    _reduce_case(mesh2d, [[P, P], [P, S0], [S1, P], [P, R], [dt.Partial("avg")] * 2],
+                 [[S0, R], [R, S1], [S0, S0], [S0, S1], [R, R], [S1, S0]],
+                 [(0, 3), (2, 1), (SIZE + 1, 3), (7, 5)], check)
+    check.done()
+
+
+def test_reduce_gradients_packs_many_tensors(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
+    """100 replicated and 100 sharded parameters with Partial gradients: one all-reduce and one
+    reduce-scatter, where one collective per tensor would be 200."""
+    def model() -> list[Parameter]:
+        params = []
+        for i in range(200):
+            plc = [dt.Replicate()] if i % 2 else [dt.Shard(0)]
+            p = Parameter(dt.zeros(2 * SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=plc))
+            p.grad = _partial_grad(mesh1d, p.shape, i)[0]
+            params.append(p)
+        return params
+
+    packed, single = model(), model()
+    with dt.CommCounter() as c_packed:
+        reduce_gradients(packed)
+    with dt.CommCounter() as c_single:
+        reduce_gradients(single, bucket_bytes=0)
+    for a, b in zip(packed, single):
+        assert a.grad is not None and b.grad is not None
+        np.testing.assert_allclose(a.grad.to_local(), b.grad.to_local(), rtol=1e-13)
+    if SIZE == 1:
+        assert c_packed.count == c_single.count == 0
+    else:
+        assert sorted(c_packed.kinds()) == ["all_reduce", "reduce_scatter"], c_packed.kinds()
+        assert c_single.count == 200
+        assert c_packed.bytes_recv == c_single.bytes_recv
+    small = [Parameter(dt.zeros(4, 4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()]))
+             for _ in range(10)]
+    for i, p in enumerate(small):
+        p.grad = _partial_grad(mesh1d, p.shape, i)[0]
+    with dt.CommCounter() as c_cap:
+        reduce_gradients(small, bucket_bytes=3 * 128)  # three 128-byte gradients per bucket
+    assert c_cap.count == (4 if SIZE > 1 else 0)
+    # a 2-D mesh: one collective per (mesh dim, kind) bucket
+    R, S0 = dt.Replicate(), dt.Shard(0)
+    grid = [Parameter(dt.zeros(5, 2, dtype=np.float64, device_mesh=mesh2d, placements=[S0, R])) for _ in range(20)]
+    for i, p in enumerate(grid):
+        p.grad = _partial_grad(mesh2d, p.shape, i)[0]
+    with dt.CommCounter() as c_grid:
+        reduce_gradients(grid)
+    want = {(kind, k) for kind, k, n in (("reduce_scatter", 0, mesh2d.shape[0]), ("all_reduce", 1, mesh2d.shape[1]))
+            if n > 1}
+    assert {(r.kind, r.mesh_dim) for r in c_grid.records} == want and c_grid.count == len(want)
+
+
+def test_reduce_gradients_refuses_mismatched_shapes(mesh1d: dt.DeviceMesh) -> None:
+    p = Parameter(dt.zeros(3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()]))
+    p.grad = dt.zeros(4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Partial()])
+    with pytest.raises(dt.ShapeMismatchError, match="parameter 0"):
+        reduce_gradients([p])
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_clip_grad_norm(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker, norm_type: float) -> None:
+    R, S0, S1 = dt.Replicate(), dt.Shard(0), dt.Shard(1)
+    layouts = [(mesh2d, [S0, R]), (mesh2d, [R, R]), (mesh2d, [R, S1]), (mesh2d, [S1, S0])]
+    for mesh, plcs in ((mesh1d, [[S0], [S1], [R], [S0]]), (mesh2d, [plc for _, plc in layouts])):
+        for max_norm in (1e9, 0.5):
+            fulls = [reference(shape, seed=i) for i, shape in enumerate([(SIZE + 1, 3), (2, 2 * SIZE + 1), (0, 4), (5, 1)])]
+            params = []
+            for full, plc in zip(fulls, plcs):
+                p = Parameter(dt.zeros(*full.shape, dtype=np.float64, device_mesh=mesh, placements=plc))
+                p.grad = dt.distribute_tensor(full, mesh, plc)
+                params.append(p)
+            with dt.CommCounter() as counter:
+                total = clip_grad_norm_(params, max_norm, norm_type)
+            flat = np.concatenate([f.ravel() for f in fulls])
+            want = float(np.linalg.norm(flat, ord=norm_type))
+            check.true(isinstance(total, float) and math.isclose(total, want, rel_tol=1e-12),
+                       f"{mesh.shape} p={norm_type}: norm {total} != {want}")
+            check.true(counter.count == (1 if SIZE > 1 else 0), f"{counter.count} collectives")
+            scale = min(1.0, max_norm / (want + 1e-6))
+            for p, full in zip(params, fulls):
+                assert p.grad is not None
+                check.equal(p.grad.to_torch(), full * scale, f"{mesh.shape} clipped {list(p.placements)}",
+                            exact=False, rtol=1e-12, atol=1e-14)
+    check.done()
+
+
+def test_clip_grad_norm_refuses_partial(mesh1d: dt.DeviceMesh) -> None:
+    p = Parameter(dt.zeros(3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()]))
+    p.grad = dt.zeros(3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Partial()])
+    with pytest.raises(dt.PlacementError, match="reduce_gradients"):
+        clip_grad_norm_([p], 1.0)
+    p.grad = dt.full(3, np.inf, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()])
+    with pytest.raises(RuntimeError, match="inf"):
+        clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
