@@ -1,10 +1,12 @@
-"""Modules with DTensor parameters, tensor-parallel styles, and state_dict loading."""
+"""Modules with DTensor parameters, tensor-parallel styles, state_dict loading, layer
+functions (``functional``) and gradient utilities (``utils``)."""
 
-from .layers import LayerNorm, Linear, ReLU, Sequential, default_mesh, linear
+from . import functional, utils
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, RMSNorm, Sequential, SiLU, default_mesh, linear
 from .module import Module, Parameter
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from .state import load_into
 
-__all__ = ["ColwiseParallel", "LayerNorm", "Linear", "Module", "ParallelStyle", "Parameter",
-           "ReLU", "RowwiseParallel", "Sequential", "default_mesh", "linear", "load_into",
-           "parallelize_module"]
+__all__ = ["GELU", "ColwiseParallel", "Dropout", "Embedding", "LayerNorm", "Linear", "Module", "ParallelStyle",
+           "Parameter", "RMSNorm", "ReLU", "RowwiseParallel", "Sequential", "SiLU", "default_mesh", "functional",
+           "linear", "load_into", "parallelize_module", "utils"]

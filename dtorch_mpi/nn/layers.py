@@ -1,4 +1,4 @@
-"""Layers: Linear, ReLU, Sequential, LayerNorm. Initial values come from the
+"""Layers: Linear, ReLU, Sequential, LayerNorm, RMSNorm, Embedding, GELU, SiLU, Dropout. Initial values come from the
 sharding-invariant RNG, so a model has the same weights whatever its parallel plan."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from .. import factory
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh, init_device_mesh
 from ..placement import Replicate
+from . import functional as F
+from .functional import linear
 from .module import Module, Parameter
 
 _default_mesh: DeviceMesh | None = None
@@ -30,12 +32,6 @@ def default_mesh() -> DeviceMesh:
 def _uniform(shape: tuple[int, ...], bound: float, mesh: DeviceMesh, dtype: Any) -> Parameter:
     u = factory.rand(*shape, dtype=dtype, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
     return Parameter(cast(DTensor, u * (2 * bound) - bound))
-
-
-def linear(x: Any, weight: DTensor, bias: DTensor | None = None) -> Any:
-    """``x @ weight.T + bias`` (weight ``[out, in]``)."""
-    y = x @ weight.T
-    return y + bias if bias is not None else y
 
 
 class Linear(Module):
@@ -101,10 +97,85 @@ class LayerNorm(Module):
         self.bias = Parameter(factory.zeros(normalized_shape, dtype=dtype, device_mesh=mesh, placements=rep))
 
     def forward(self, x: DTensor) -> DTensor:
-        mu = x.mean(-1, keepdim=True)
-        centred = x - mu
-        var = (centred * centred).mean(-1, keepdim=True)
-        return centred / (var + self.eps).sqrt() * self.weight + self.bias
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
+
+
+def _replicated(make: Any, shape: tuple[int, ...], mesh: DeviceMesh, dtype: Any) -> Parameter:
+    return Parameter(make(*shape, dtype=dtype, device_mesh=mesh, placements=[Replicate()] * mesh.ndim))
+
+
+class RMSNorm(Module):
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` over the last dim (which must not be
+    sharded); ``eps=None`` is the dtype's machine epsilon, as in torch."""
+
+    def __init__(self, dim: int, eps: float | None = None, *, device_mesh: DeviceMesh | None = None,
+                 dtype: Any = np.float32) -> None:
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = _replicated(factory.ones, (dim,), device_mesh or default_mesh(), dtype)
+
+    def forward(self, x: DTensor) -> DTensor:
+        return F.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}"
+
+
+class Embedding(Module):
+    """A lookup table ``weight [num_embeddings, embedding_dim]`` initialised N(0, 1) (as torch),
+    replicated until a plan shards it: ``RowwiseParallel()`` shards its rows (vocab-parallel:
+    the lookup is ``Partial("sum")`` and the style reduces it), ``ColwiseParallel()`` its
+    columns. See ``functional.embedding`` for the placement rules."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, device_mesh: DeviceMesh | None = None,
+                 dtype: Any = np.float32) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = _replicated(factory.randn, (num_embeddings, embedding_dim), device_mesh or default_mesh(), dtype)
+
+    def forward(self, index: Any) -> DTensor:
+        return F.embedding(index, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"
+
+
+class GELU(Module):
+    """``x * Phi(x)``; ``approximate="tanh"`` for the tanh approximation."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        self.approximate = approximate
+
+    def forward(self, x: DTensor) -> DTensor:
+        return F.gelu(x, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class SiLU(Module):
+    """``x * sigmoid(x)``."""
+
+    def forward(self, x: DTensor) -> DTensor:
+        return F.silu(x)
+
+
+class Dropout(Module):
+    """Zero elements with probability ``p`` in training mode (masks from the
+    sharding-invariant RNG: the same mask on any mesh and plan); identity after ``eval()``."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        self.p = p
+
+    def forward(self, x: DTensor) -> DTensor:
+        return F.dropout(x, self.p, self.training)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"

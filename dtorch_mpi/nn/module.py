@@ -35,10 +35,22 @@ class Module:
 
     _parameters: "OrderedDict[str, Parameter]"
     _modules: "OrderedDict[str, Module]"
+    training: bool
 
     def __init__(self) -> None:
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def train(self, mode: bool = True) -> "Module":
+        """Set training mode (``Dropout`` drops) on this module and every submodule."""
+        for m in self.modules():
+            object.__setattr__(m, "training", bool(mode))
+        return self
+
+    def eval(self) -> "Module":
+        """Evaluation mode: ``train(False)``."""
+        return self.train(False)
 
     def __setattr__(self, name: str, value: Any) -> None:
         params = self.__dict__.get("_parameters")

@@ -1,6 +1,6 @@
 """Tensor-parallel styles and parallelize_module.
 
-A style shards a Linear's parameters (zero bytes move: replicated weights are sliced) and
+A style shards a Linear's or an Embedding's parameters (zero bytes move: replicated weights are sliced) and
 wraps its forward so the module boundary declares its layouts: the input is taken as
 ``input_layouts`` (a local array is wrapped, a DTensor in another layout is redistributed
 explicitly), and the output is redistributed to ``output_layouts``. That is the only
@@ -18,7 +18,8 @@ import numpy as np
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
-from .layers import Linear
+from . import functional as F
+from .layers import Embedding, Linear
 from .module import Module, Parameter
 
 
@@ -53,9 +54,30 @@ def _as_input(x: Any, layout: Placement, mesh: DeviceMesh, in_features: int) -> 
     return DTensor.from_local(x, mesh, [layout])
 
 
+def _embedding_style(module: Embedding, mesh: DeviceMesh, weight: Placement, style: ParallelStyle) -> Module:
+    """An Embedding under a style: the weight takes ``weight`` (rows: vocab-parallel, the
+    lookup ``Partial("sum")``; columns: ``Shard(-1)``), the index is taken ``Replicate``, and
+    the lookup is redistributed to the style's ``output_layouts`` (the only communication)."""
+    if mesh.ndim != 1:
+        raise ValueError(f"{type(style).__name__} needs a 1-D mesh; pass a sub-mesh such as mesh['tp']")
+    _shard_param(module.weight, weight)
+
+    def forward(index: Any) -> Any:
+        if isinstance(index, DTensor) and index.placements != (Replicate(),):
+            index = index.redistribute(placements=[Replicate()])
+        y = F.embedding(index, module.weight)
+        out = _normalise(style.output_layouts, y.ndim)
+        if y.placements != (out,):
+            y = y.redistribute(placements=[out])
+        return y.to_local() if style.use_local_output else y
+
+    object.__setattr__(module, "forward", forward)
+    return module
+
+
 def _check_linear(module: Module, style: str, mesh: DeviceMesh) -> Linear:
     if not isinstance(module, Linear):
-        raise TypeError(f"{style} applies to Linear modules, got {type(module).__name__}")
+        raise TypeError(f"{style} applies to Linear and Embedding modules, got {type(module).__name__}")
     if mesh.ndim != 1:
         raise ValueError(f"{style} needs a 1-D mesh; pass a sub-mesh such as mesh['tp']")
     return module
@@ -63,7 +85,8 @@ def _check_linear(module: Module, style: str, mesh: DeviceMesh) -> Linear:
 
 class ColwiseParallel(ParallelStyle):
     """Shard a Linear's output features: weight ``Shard(0)``, bias ``Shard(0)``. Input
-    ``Replicate`` by default; output ``Shard(-1)`` (no communication)."""
+    ``Replicate`` by default; output ``Shard(-1)`` (no communication). On an Embedding:
+    weight ``Shard(1)`` (embedding columns), output ``Shard(-1)``."""
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True) -> None:
@@ -72,6 +95,8 @@ class ColwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        if isinstance(module, Embedding):
+            return _embedding_style(module, mesh, Shard(1), self)
         lin = _check_linear(module, "ColwiseParallel", mesh)
         _shard_param(lin.weight, Shard(0))
         _shard_param(lin.bias, Shard(0))
@@ -95,7 +120,9 @@ class ColwiseParallel(ParallelStyle):
 class RowwiseParallel(ParallelStyle):
     """Shard a Linear's input features: weight ``Shard(1)``, bias ``Replicate``. Input
     ``Shard(-1)`` by default; the partial sums are reduced to ``output_layouts`` (default
-    ``Replicate``: one all-reduce; ``Shard(0)``: one reduce-scatter), then the bias is added."""
+    ``Replicate``: one all-reduce; ``Shard(0)``: one reduce-scatter), then the bias is added.
+    On an Embedding (vocab-parallel): weight ``Shard(0)``, index ``Replicate``; each rank looks
+    up the rows it owns and the ``Partial("sum")`` lookup is reduced to ``output_layouts``."""
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
                  use_local_output: bool = True) -> None:
@@ -104,6 +131,8 @@ class RowwiseParallel(ParallelStyle):
         self.use_local_output = use_local_output
 
     def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        if isinstance(module, Embedding):
+            return _embedding_style(module, mesh, Shard(0), self)
         lin = _check_linear(module, "RowwiseParallel", mesh)
         _shard_param(lin.weight, Shard(1))
 
