@@ -11,6 +11,7 @@ no gradient (Partial max/min) must raise PlacementError on every rank.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import pytest
 import test_ops
 from conftest import SIZE, Checker
 from test_ops import MATMUL_SHAPES, assert_all_rules_ran, dist, placement_for
+from test_redistribute import P1, P2
 
 import dtorch_mpi as dt
 from dtorch_mpi.ops import functions as F
@@ -255,3 +257,159 @@ def test_layout_and_softmax_backward_every_rule(mesh1d: dt.DeviceMesh, mesh2d: d
     grad_check(lambda x: x.T, lambda a: a.T, [t], [[dt.Shard(0), dt.Shard(1)]], mesh2d, check, "T 2-D mesh")
     check.done()
     assert_all_rules_ran(rule_hits, ["transpose", "reshape", "getitem", "cat", "stack", "softmax"])
+
+
+# --- redistribute: its backward is its adjoint ----------------------------------------------
+def _redistribute_grad_case(mesh: dt.DeviceMesh, src: list[dt.Placement], dst: list[dt.Placement],
+                            shape: tuple[int, ...], check: Checker) -> None:
+    full = values(shape, sum(shape))
+    cot = values(shape, 7, -1.0, 1.0)
+    x = dist(full, mesh, src).requires_grad_()
+    y = x.redistribute(placements=dst)
+    what = f"{shape} {src} -> {dst}"
+    undefined = [p for p in src + dst if isinstance(p, dt.Partial) and p.reduce_op in ("max", "min")]
+    if undefined:
+        z = y.redistribute(placements=[R] * mesh.ndim) if any(isinstance(p, dt.Partial) for p in dst) else y
+        loss = (z * dt.distribute_tensor(cot, mesh, [R] * mesh.ndim, src_data_rank=None)).sum()
+        try:
+            loss.backward()
+            check.true(False, f"{what}: backward through {undefined} did not raise")
+        except dt.PlacementError as exc:
+            check.true("no gradient through" in str(exc), f"{what}: {exc}")
+        return
+    loss = (y * dt.distribute_tensor(cot, mesh, [R] * mesh.ndim, src_data_rank=None)).sum()
+    loss.backward()
+    assert x.grad is not None
+    check.equal(x.grad.to_torch(), cot, what, exact=False, rtol=1e-12, atol=1e-12)
+    want: list[dt.Placement] = []
+    # nested: another mesh dim shards the same tensor dim in the gradient's layout
+    grad_layout = [sj if isinstance(sj, dt.Shard) else dj if isinstance(sj, dt.Replicate) else None
+                   for sj, dj in zip(src, dst)]
+    for k, (s, d) in enumerate(zip(src, dst)):
+        nested = isinstance(d, dt.Shard) and any(j != k and grad_layout[j] == d for j in range(len(src)))
+        if nested and isinstance(s, dt.Replicate):
+            grad_layout[k] = None  # gathered: no longer splits d for the mesh dims after it
+        if isinstance(s, dt.Shard):
+            want.append(s)
+        elif isinstance(s, dt.Partial):
+            want.append(R)
+        else:  # a Replicate source cut to a Shard: zero-padded Partial("sum") unless nested
+            want.append(dt.Partial("sum") if isinstance(d, dt.Shard) and not nested else R)
+    check.true(x.grad.placements == tuple(want), f"{what}: grad placements {x.grad.placements}, want {want}")
+
+
+def test_redistribute_backward_every_pair_1d(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    for src, dst in itertools.product(P1, P1):
+        for shape in [(n, 3) for n in (0, 1, SIZE + 1, 7)]:
+            _redistribute_grad_case(mesh1d, [src], [dst], shape, check)
+    check.done()
+
+
+def test_redistribute_backward_every_pair_2d(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    layouts = [list(p) for p in itertools.product(P2, repeat=2)]
+    for src, dst in itertools.product(layouts, layouts):
+        _redistribute_grad_case(mesh2d, src, dst, (5, 3), check)
+    check.done()
+
+
+def test_backward_of_incoming_partial_gradient_is_an_all_reduce(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """P -> R forward; the Replicate result used by sharded work gets a Partial gradient, which
+    the redistribute's backward all-reduces (the adjoint of an all-reduce is an all-reduce)."""
+    full = values((SIZE + 1, 3), 1)
+    w = values((3,), 2)
+    x = dist(full, mesh1d, [dt.Partial("sum")]).requires_grad_()
+    r = x.redistribute(placements=[R])
+    s = dist(w, mesh1d, [R]).requires_grad_()
+    loss = (r * s).sum()
+    loss.backward()
+    assert x.grad is not None and s.grad is not None
+    check.equal(x.grad.to_torch(), np.broadcast_to(w, full.shape), "d/dx", exact=False)
+    check.true(x.grad.placements == (R,), f"{x.grad.placements}")
+    check.equal(s.grad.to_torch(), full.sum(0), "d/ds", exact=False)
+    check.done()
+
+
+# --- communication: backward moves only the adjoint of the forward's explicit moves ---------
+def test_tp_mlp_backward_moves_only_the_adjoint(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """Colwise -> ReLU -> Rowwise: forward all-reduces the output once (explicitly, in the
+    Rowwise boundary); its adjoint on a Replicate gradient is the identity, so backward moves
+    nothing. Gradients equal the NumPy ones."""
+    rng = np.random.default_rng(3)
+    X, W1, W2 = rng.standard_normal((4, 6)), rng.standard_normal((SIZE + 2, 6)), rng.standard_normal((5, SIZE + 2))
+    model = dt.nn.Sequential(dt.nn.Linear(6, SIZE + 2, bias=False), dt.nn.ReLU(), dt.nn.Linear(SIZE + 2, 5, bias=False))
+    model.load_state_dict({"0.weight": W1, "2.weight": W2})
+    dt.parallelize_module(model, mesh1d, {"0": dt.ColwiseParallel(use_local_output=False),
+                                         "2": dt.RowwiseParallel(use_local_output=False)})
+    x = dt.distribute_tensor(X, mesh1d, [R])
+    with dt.CommCounter() as fwd:
+        loss = model(x).square().sum()
+    with dt.CommCounter() as bwd:
+        loss.backward()
+    check.true(fwd.kinds() == (["all_reduce"] if SIZE > 1 else []), f"forward moved {fwd.kinds()}")
+    check.true(bwd.count == 0, f"backward moved {bwd.kinds()}")
+    H = np.maximum(X @ W1.T, 0)
+    gy = 2 * (H @ W2.T)
+    gW2 = gy.T @ H
+    gW1 = ((gy @ W2) * (H > 0)).T @ X
+    params = dict(model.named_parameters())
+    check.equal(params["2.weight"].grad.to_torch().astype(np.float64), gW2, "dW2", exact=False, rtol=1e-4)
+    check.equal(params["0.weight"].grad.to_torch().astype(np.float64), gW1, "dW1", exact=False, rtol=1e-4)
+    check.true(params["0.weight"].grad.placements == params["0.weight"].placements, "dW1 placed as W1")
+    check.true(params["2.weight"].grad.placements == params["2.weight"].placements, "dW2 placed as W2")
+    check.done()
+
+
+def test_reduce_scatter_is_the_adjoint_of_all_gather(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    full = values((2 * SIZE + 1, 3), 4)
+    x = dist(full, mesh1d, [dt.Shard(0)]).requires_grad_()
+    y = x.redistribute(placements=[R])
+    c = values(full.shape, 6)
+    loss = (y * dist(c, mesh1d, [dt.Shard(0)])).sum()  # y is cut locally: its gradient is Partial
+    with dt.CommCounter() as moved:
+        loss.backward()
+    check.true(moved.kinds() == (["reduce_scatter"] if SIZE > 1 else []), f"backward moved {moved.kinds()}")
+    assert x.grad is not None
+    check.equal(x.grad.to_torch(), c, "dx", exact=False)
+    check.done()
+
+
+# --- the graph's memory, grad mode, errors ----------------------------------------------------
+def test_a_chain_of_elementwise_ops_keeps_only_what_backward_needs(mesh1d: dt.DeviceMesh) -> None:
+    import weakref
+
+    x = dt.distribute_tensor(values((SIZE + 3, 4), 1), mesh1d, [dt.Shard(0)]).requires_grad_()
+    y = x
+    refs = []
+    for _ in range(10):
+        y = y + 1.0  # add saves nothing
+        refs.append(weakref.ref(y.to_local()))
+    loss = y.sum()
+    del y
+    assert sum(r() is not None for r in refs) == 0, "intermediate pieces of a chain of adds are kept"
+    loss.backward()
+    assert x.grad is not None and np.all(x.grad.to_local() == 1)
+
+
+def test_no_grad_detach_and_second_backward(mesh1d: dt.DeviceMesh) -> None:
+    x = dt.distribute_tensor(values((SIZE + 1, 2), 1), mesh1d, [dt.Shard(0)]).requires_grad_()
+    with dt.no_grad():
+        y = (x * 2).sum()
+    assert not y.requires_grad and y.grad_fn is None
+    z = (x.detach() * 2).sum()
+    assert not z.requires_grad
+    loss = (x * x).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert x.grad is not None
+    np.testing.assert_allclose(x.grad.to_torch(), 4 * x.to_torch())
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+    with pytest.raises(RuntimeError, match="one-element"):
+        (x * 2).backward()
+    with pytest.raises(RuntimeError, match="in-place"):
+        x += 1
+    w = dt.distribute_tensor(values((SIZE + 1, 2), 2), mesh1d, [dt.Shard(0)])
+    loss = (x * w).sum()
+    w += 1  # w does not require grad, but mul saved it
+    with pytest.raises(RuntimeError, match="modified in place"):
+        loss.backward()
