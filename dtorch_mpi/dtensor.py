@@ -43,7 +43,7 @@ class DTensor:
     ``to_local()`` is this rank's piece (no copy); ``to_torch()`` gathers the complete value.
     """
 
-    __slots__ = ("_local", "_spec", "_pending", "_requires_grad", "_grad_fn", "grad", "_version",
+    __slots__ = ("_local", "_spec", "_pending", "_requires_grad", "_grad_fn", "_grad_acc", "grad", "_version",
                  "__weakref__")
 
     def __init__(self, local: Any, spec: DTensorSpec, *, _pending: CompiledHandle | None = None):
@@ -52,6 +52,7 @@ class DTensor:
         self._pending = _pending
         self._requires_grad = False
         self._grad_fn: Any = None
+        self._grad_acc: Any = None
         self.grad: DTensor | None = None
         """The accumulated gradient (a DTensor on the same mesh), None before the first backward."""
         self._version = 0

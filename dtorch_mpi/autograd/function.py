@@ -25,17 +25,12 @@ if TYPE_CHECKING:
 
 def needs_recording(operands: Sequence[Any]) -> bool:
     """True when grad mode is on and some operand requires grad."""
-    if not _GradMode.enabled:
-        return False
-    from ..dtensor import DTensor
-
-    return any(isinstance(t, DTensor) and t._requires_grad for t in operands)
+    return _GradMode.enabled and any(getattr(t, "_requires_grad", False) for t in operands)
 
 
 def differentiable(t: Any) -> bool:
-    from ..dtensor import DTensor
-
-    return isinstance(t, DTensor) and t._requires_grad and t.dtype.kind in "fc"
+    """A DTensor operand that requires grad and has a floating dtype."""
+    return getattr(t, "_requires_grad", False) and t.dtype.kind in "fc"
 
 
 def unbroadcast(g: Any, shape: tuple[int, ...], xp: Any) -> Any:
@@ -102,7 +97,7 @@ def record_op(op: str, mesh_placements: tuple[Placement, ...], prepared_specs: S
     shapes = tuple(getattr(x, "shape", ()) for x in inputs)
     saved_inputs = tuple(inputs) if bw.saves_inputs else ()
     saved_out = out.to_local() if bw.saves_output else None
-    versions = tuple((t, t._version) for t in operands if _is_dtensor(t)) if bw.saves_inputs else ()
+    versions = tuple((t, t._version) for t in operands if hasattr(t, "_version")) if bw.saves_inputs else ()
     out_spec = out.spec
 
     def backward(grad: "DTensor") -> list["DTensor | None"]:
@@ -136,12 +131,6 @@ def record_op(op: str, mesh_placements: tuple[Placement, ...], prepared_specs: S
         return results
 
     return attach(out, op, operands, backward)
-
-
-def _is_dtensor(t: Any) -> bool:
-    from ..dtensor import DTensor
-
-    return isinstance(t, DTensor)
 
 
 def record_redistribute(src: "DTensor", out: "DTensor") -> "DTensor":

@@ -12,7 +12,6 @@ order, so every rank runs the same backward collectives in the same order.
 from __future__ import annotations
 
 import itertools
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,7 @@ BackwardFn = Callable[["DTensor"], Sequence["DTensor | None"]]
 class Node:
     """One recorded operation: its name, backward function and input edges."""
 
-    __slots__ = ("name", "next", "_backward", "seq", "__weakref__")
+    __slots__ = ("name", "next", "_backward", "seq")
 
     def __init__(self, name: str, next_nodes: tuple[Node | None, ...], backward: BackwardFn) -> None:
         self.name = name
@@ -69,23 +68,15 @@ class AccumulateGrad(Node):
 
 
 def edge(t: Any) -> Node | None:
-    """The graph edge into ``t``: its producer node, an accumulator for a leaf, or None."""
-    from ..dtensor import DTensor
-
-    if not isinstance(t, DTensor) or not t._requires_grad:
+    """The graph edge into ``t``: its producer node, its leaf accumulator, or None."""
+    if not getattr(t, "_requires_grad", False):
         return None
     if t._grad_fn is not None:
         return t._grad_fn
-    acc = _ACCUMULATORS.get(id(t))
-    if acc is None or acc.leaf is not t:
-        acc = AccumulateGrad(t)
-        _ACCUMULATORS[id(t)] = acc
+    acc = t._grad_acc  # one per leaf, so a leaf's contributions are summed before .grad
+    if acc is None:
+        acc = t._grad_acc = AccumulateGrad(t)
     return acc
-
-
-# one accumulator per leaf while a graph uses it, so the engine sums a leaf's contributions
-# before adding them to .grad once; an entry lives only as long as some node points at it
-_ACCUMULATORS: "weakref.WeakValueDictionary[int, AccumulateGrad]" = weakref.WeakValueDictionary()
 
 
 def attach(out: "DTensor", name: str, inputs: Sequence[Any], backward: BackwardFn) -> "DTensor":
