@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .autograd.function import record_redistribute
+from .autograd.grad_mode import _GradMode
 from .dtypes import check_dtype, dtype_code
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
@@ -41,7 +43,8 @@ class DTensor:
     ``to_local()`` is this rank's piece (no copy); ``to_torch()`` gathers the complete value.
     """
 
-    __slots__ = ("_local", "_spec", "_pending", "_requires_grad", "_grad_fn", "grad", "__weakref__")
+    __slots__ = ("_local", "_spec", "_pending", "_requires_grad", "_grad_fn", "_grad_acc", "grad", "_version",
+                 "__weakref__")
 
     def __init__(self, local: Any, spec: DTensorSpec, *, _pending: CompiledHandle | None = None):
         self._local = local
@@ -49,8 +52,11 @@ class DTensor:
         self._pending = _pending
         self._requires_grad = False
         self._grad_fn: Any = None
+        self._grad_acc: Any = None
         self.grad: DTensor | None = None
         """The accumulated gradient (a DTensor on the same mesh), None before the first backward."""
+        self._version = 0
+        """Bumped by every in-place op, so backward can refuse values changed after saving."""
 
     # --- metadata -------------------------------------------------------------------------
     @property
@@ -111,6 +117,31 @@ class DTensor:
     def detach(self) -> "DTensor":
         """The same piece and spec, outside the autograd graph (no copy)."""
         return DTensor(self.to_local(), self._spec)
+
+    def backward(self, gradient: "DTensor | None" = None, retain_graph: bool = False) -> None:
+        """Accumulate d(self)/d(leaf) into ``leaf.grad`` for every leaf that requires grad.
+
+        Collective over the mesh (backward runs the adjoints of the forward's redistributes).
+        ``gradient=None`` needs a one-element tensor (a scalar loss gets gradient one whatever
+        its placements); otherwise ``gradient`` is d loss/d self, placed as the tensor allows:
+        as its Shard on a Shard dim, Replicate on a Partial dim, Replicate or Partial on a
+        Replicate dim.
+        """
+        from .autograd.function import check_grad_layout
+        from .autograd.graph import run_backward
+
+        if gradient is None:
+            if self.size != 1:
+                raise RuntimeError(
+                    f"backward() without a gradient needs a one-element tensor (a scalar loss); this "
+                    f"one has shape {self.shape}: reduce it (e.g. loss.sum()) or pass gradient="
+                )
+            seed = tuple(Replicate() if p.is_partial() else p for p in self.placements)
+            spec = self._spec.with_placements(seed)
+            xp = array_namespace(self.device_mesh.device_type)
+            gradient = DTensor(xp.ones(spec.local_shape, dtype=self.dtype), spec)
+        check_grad_layout("backward", self._spec, gradient)
+        run_backward(self, gradient, retain_graph)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -191,8 +222,12 @@ class DTensor:
         target = self.placements if placements is None else _normalized(placements, mesh.ndim, self.ndim)
         plan = compile_plan(self._spec, target)
         if async_op:
-            return DTensor(None, plan.out_spec, _pending=CompiledHandle(self.to_local(), plan))
-        return DTensor(run_compiled(self.to_local(), plan), plan.out_spec)
+            out = DTensor(None, plan.out_spec, _pending=CompiledHandle(self.to_local(), plan))
+        else:
+            out = DTensor(run_compiled(self.to_local(), plan), plan.out_spec)
+        if self._requires_grad and _GradMode.enabled:
+            record_redistribute(self, out)
+        return out
 
     def to_torch(self) -> Any:
         """The complete value on every rank of the mesh (NumPy for "cpu", CuPy for "cuda").

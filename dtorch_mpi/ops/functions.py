@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd.function import needs_recording, record_op
+from ..autograd.grad_mode import _GradMode
 from ..dtensor import DTensor
 from ..errors import PlacementError, ShapeMismatchError
 from ..placement import Partial
@@ -49,6 +51,15 @@ def _wrap(local: Any, plan: OpPlan) -> DTensor:
     return DTensor(local, plan.out_spec(local.dtype))
 
 
+def _record(op: str, plan: OpPlan, operands: Sequence[Any], inputs: Sequence[Any], out: DTensor,
+            params: dict[str, Any] | None = None) -> DTensor:
+    """Hand the call to autograd when some operand requires grad (one flag test otherwise)."""
+    if _GradMode.enabled and needs_recording(operands):
+        cuts = tuple(p.out_spec if p is not None else None for p in plan.prepare)
+        record_op(op, plan.placements, cuts, operands, inputs, out, params or {}, plan.xp)
+    return out
+
+
 def _xp(plan: OpPlan) -> Any:
     return plan.xp
 
@@ -80,16 +91,20 @@ def binary_fast(op: str, a: Any, b: Any) -> DTensor:
     if fn is None:
         fn = plan.resolved[op] = resolve_local(op, plan.xp)
     pa, pb = plan.prepare
+    la, lb = a, b
     if sa is not None:
-        a = a._local if a._pending is None else a.to_local()
+        la = a._local if a._pending is None else a.to_local()
         if pa is not None:
-            a = prepared(a, pa)
+            la = prepared(la, pa)
     if sb is not None:
-        b = b._local if b._pending is None else b.to_local()
+        lb = b._local if b._pending is None else b.to_local()
         if pb is not None:
-            b = prepared(b, pb)
-    out = fn(a, b)
-    return DTensor(out, plan.out_spec(out.dtype))
+            lb = prepared(lb, pb)
+    out = fn(la, lb)
+    result = DTensor(out, plan.out_spec(out.dtype))
+    if _GradMode.enabled and ((ta and a._requires_grad) or (tb and b._requires_grad)):
+        return _record(op, plan, (a, b), (la, lb), result)
+    return result
 
 
 def resolve_local(op: str, xp: Any) -> Callable[..., Any]:
@@ -112,7 +127,7 @@ def elementwise(op: str, fn: Callable[..., Any], *operands: Any, **kwargs: Any) 
             local = x._local if x._pending is None else x.to_local()
             locals_.append(local if steps is None else prepared(local, steps))
     out = fn(plan.xp, *locals_, **kwargs)
-    return DTensor(out, plan.out_spec(out.dtype))
+    return _record(op, plan, operands, locals_, DTensor(out, plan.out_spec(out.dtype)), kwargs)
 
 
 def inplace(op: str, fn: Callable[..., Any], target: DTensor, other: Any) -> DTensor:
@@ -124,9 +139,15 @@ def inplace(op: str, fn: Callable[..., Any], target: DTensor, other: Any) -> DTe
             f"in-place {op} would change the result to {list(plan.placements)} shape {plan.shape} "
             f"from {list(target.placements)} shape {target.shape}; use the out-of-place form"
         )
+    if _GradMode.enabled and target.requires_grad:
+        raise RuntimeError(
+            f"in-place {op} on a tensor that requires grad: autograd needs its value; use the "
+            f"out-of-place form (x = x {op} y), or wrap the update in `with dtorch.no_grad():`"
+        )
     local = target.to_local()
     rhs = prepared(_local(other), plan.prepare[1]) if specs[1] is not None else other
     fn(_xp(plan), local, rhs, out=local, casting="same_kind")
+    target._version += 1
     return target
 
 
@@ -236,7 +257,7 @@ def matmul(a: DTensor, b: DTensor) -> DTensor:
     plan = _plan_matmul(sa, sb)
     la = prepared(a.to_local(), plan.prepare[0])
     lb = prepared(b.to_local(), plan.prepare[1])
-    return _wrap(_xp(plan).matmul(la, lb), plan)
+    return _record("matmul", plan, (a, b), (la, lb), _wrap(_xp(plan).matmul(la, lb), plan))
 
 
 # --- reductions ----------------------------------------------------------------------------
@@ -288,7 +309,8 @@ def reduce(op: str, x: DTensor, dim: int | Sequence[int] | None = None, keepdim:
             out = fn(local, axis=axes, keepdims=keepdim, initial=identity_value(local.dtype, op))
         else:
             out = fn(local, axis=axes, keepdims=keepdim)
-    return _wrap(xp.asarray(out), plan)
+    params = {"axes": axes, "keepdim": keepdim, "count": count, "in_shape": local.shape}
+    return _record(op, plan, (x,), (local,), _wrap(xp.asarray(out), plan), params)
 
 
 def arg_reduce(op: str, x: DTensor, dim: int | None = None, keepdim: bool = False) -> DTensor:
@@ -324,7 +346,7 @@ def softmax(x: DTensor, dim: int = -1, *, log: bool = False) -> DTensor:
     shifted = v - (xp.max(v, axis=axis, keepdims=True) if v.size else 0)
     e = xp.exp(shifted)
     s = xp.sum(e, axis=axis, keepdims=True)
-    return _wrap(shifted - xp.log(s) if log else e / s, plan)
+    return _record(op, plan, (x,), (v,), _wrap(shifted - xp.log(s) if log else e / s, plan), {"axis": axis})
 
 
 def log_softmax(x: DTensor, dim: int = -1) -> DTensor:
@@ -348,7 +370,9 @@ def permute(x: DTensor, *dims: Any) -> DTensor:
     spec = _spec_of(x, "permute")
     assert spec is not None
     plan = _plan_permute(spec, perm)
-    return _wrap(_xp(plan).transpose(x.to_local(), perm), plan)
+    local = x.to_local()
+    return _record("transpose", plan, (x,), (local,), _wrap(_xp(plan).transpose(local, perm), plan),
+                   {"perm": perm})
 
 
 def transpose(x: DTensor, dim0: int = -2, dim1: int = -1) -> DTensor:
@@ -391,8 +415,9 @@ def reshape(x: DTensor, *shape: Any) -> DTensor:
     assert spec is not None
     new = _resolve_shape(shape, prod(spec.shape))
     plan = _plan_reshape(spec, new)
-    local_shape = plan_local_shape(plan)
-    return _wrap(x.to_local().reshape(local_shape), plan)
+    local = x.to_local()
+    out = _wrap(local.reshape(plan_local_shape(plan)), plan)
+    return _record("reshape", plan, (x,), (local,), out, {"in_local_shape": local.shape})
 
 
 def plan_local_shape(plan: OpPlan) -> tuple[int, ...]:
@@ -485,7 +510,9 @@ def getitem(x: DTensor, key: Any) -> DTensor:
     spec = _spec_of(x, "getitem")
     assert spec is not None
     plan, full_key = _plan_getitem(spec, _hashable_key(key))
-    return _wrap(x.to_local()[full_key], plan)
+    local = x.to_local()
+    out = _wrap(local[full_key], plan)
+    return _record("getitem", plan, (x,), (local,), out, {"key": full_key, "in_local_shape": local.shape})
 
 
 def _join_plan(op: str, specs: tuple[DTensorSpec, ...], axis: int) -> OpPlan:
@@ -514,7 +541,10 @@ def cat(tensors: Sequence[DTensor], dim: int = 0) -> DTensor:
         raise TypeError("cat: needs a non-empty sequence of DTensors")
     axis = dim % max(len(specs[0].shape), 1)  # type: ignore[union-attr]
     plan = _plan_join("cat", specs, axis)  # type: ignore[arg-type]
-    return _wrap(_xp(plan).concatenate([t.to_local() for t in tensors], axis=axis), plan)
+    locals_ = [t.to_local() for t in tensors]
+    out = _wrap(_xp(plan).concatenate(locals_, axis=axis), plan)
+    params = {"axis": axis, "sizes": [piece.shape[axis] for piece in locals_]}
+    return _record("cat", plan, tuple(tensors), locals_, out, params)
 
 
 def stack(tensors: Sequence[DTensor], dim: int = 0) -> DTensor:
@@ -524,7 +554,9 @@ def stack(tensors: Sequence[DTensor], dim: int = 0) -> DTensor:
         raise TypeError("stack: needs a non-empty sequence of DTensors")
     axis = dim % (len(specs[0].shape) + 1)  # type: ignore[union-attr]
     plan = _plan_join("stack", specs, axis)  # type: ignore[arg-type]
-    return _wrap(_xp(plan).stack([t.to_local() for t in tensors], axis=axis), plan)
+    locals_ = [t.to_local() for t in tensors]
+    out = _wrap(_xp(plan).stack(locals_, axis=axis), plan)
+    return _record("stack", plan, tuple(tensors), locals_, out, {"axis": axis, "count": len(locals_)})
 
 
 def cache_info() -> dict[str, Any]:

@@ -1,0 +1,240 @@
+"""Local gradient kernels: each operator's vector-Jacobian product on local pieces.
+
+A kernel gets the output's gradient piece ``g``, the op's saved local inputs ``xs`` (already
+cut to the output's layout), its local output ``out``, its parameters and the array module,
+and returns one gradient piece per input (None where the input is not differentiable). It
+may return a gradient in the broadcast shape; the caller sums it back to the input's shape.
+Kernels never communicate: placements are the business of ``rules.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+Kernel = Callable[[Any, tuple[Any, ...], Any, dict[str, Any], Any], tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class Backward:
+    """An operator's backward: its kernel and what the forward must save for it."""
+
+    kernel: Kernel
+    saves_inputs: bool = True
+    saves_output: bool = False
+    formula: str = ""
+    """The gradient in words, shown by ``signature()``."""
+
+
+def _unary(formula: str, fn: Callable[[Any, Any, Any, Any], Any], *, inputs: bool = True,
+           output: bool = False) -> Backward:
+    return Backward(lambda g, xs, out, p, xp: (fn(g, xs[0] if xs else None, out, xp),),
+                    inputs, output, formula)
+
+
+def _erf(xp: Any, x: Any) -> Any:
+    return xp.asarray(np.vectorize(math.erf, otypes=[np.float64])(x)).astype(x.dtype, copy=False)
+
+
+def _sigmoid(xp: Any, x: Any) -> Any:
+    return 1 / (1 + xp.exp(-x))
+
+
+def _gelu_grad(g: Any, x: Any, p: dict[str, Any], xp: Any) -> Any:
+    if p.get("approximate", "none") == "tanh":
+        c = 0.7978845608028654
+        inner = c * (x + 0.044715 * x ** 3)
+        t = xp.tanh(inner)
+        return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x))
+    cdf = 0.5 * (1 + _erf(xp, x / math.sqrt(2)))
+    pdf = xp.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    return g * (cdf + x * pdf)
+
+
+def _silu_grad(g: Any, x: Any, xp: Any) -> Any:
+    s = _sigmoid(xp, x)
+    return g * s * (1 + x * (1 - s))
+
+
+def _zero(g: Any, x: Any, out: Any, xp: Any) -> Any:
+    return xp.zeros_like(g)
+
+
+UNARY: dict[str, Backward] = {
+    "neg": _unary("-g", lambda g, x, y, xp: -g, inputs=False),
+    "exp": _unary("g * y", lambda g, x, y, xp: g * y, inputs=False, output=True),
+    "expm1": _unary("g * (y + 1)", lambda g, x, y, xp: g * (y + 1), inputs=False, output=True),
+    "log": _unary("g / x", lambda g, x, y, xp: g / x),
+    "log1p": _unary("g / (1 + x)", lambda g, x, y, xp: g / (1 + x)),
+    "log2": _unary("g / (x ln 2)", lambda g, x, y, xp: g / (x * math.log(2))),
+    "log10": _unary("g / (x ln 10)", lambda g, x, y, xp: g / (x * math.log(10))),
+    "sqrt": _unary("g / (2 y)", lambda g, x, y, xp: g / (2 * y), inputs=False, output=True),
+    "tanh": _unary("g (1 - y^2)", lambda g, x, y, xp: g * (1 - y * y), inputs=False, output=True),
+    "sigmoid": _unary("g y (1 - y)", lambda g, x, y, xp: g * y * (1 - y), inputs=False, output=True),
+    "relu": _unary("g where x > 0", lambda g, x, y, xp: g * (x > 0)),
+    "silu": _unary("g s (1 + x (1 - s)), s = sigmoid(x)", lambda g, x, y, xp: _silu_grad(g, x, xp)),
+    "softplus": _unary("g sigmoid(x)", lambda g, x, y, xp: g * _sigmoid(xp, x)),
+    "abs": _unary("g sign(x)", lambda g, x, y, xp: g * xp.sign(x)),
+    "sin": _unary("g cos(x)", lambda g, x, y, xp: g * xp.cos(x)),
+    "cos": _unary("-g sin(x)", lambda g, x, y, xp: -g * xp.sin(x)),
+    "tan": _unary("g (1 + y^2)", lambda g, x, y, xp: g * (1 + y * y), inputs=False, output=True),
+    "square": _unary("2 g x", lambda g, x, y, xp: 2 * g * x),
+    "reciprocal": _unary("-g y^2", lambda g, x, y, xp: -g * y * y, inputs=False, output=True),
+    "arctan": _unary("g / (1 + x^2)", lambda g, x, y, xp: g / (1 + x * x)),
+    "arcsinh": _unary("g / sqrt(x^2 + 1)", lambda g, x, y, xp: g / xp.sqrt(x * x + 1)),
+    "cbrt": _unary("g / (3 y^2)", lambda g, x, y, xp: g / (3 * y * y), inputs=False, output=True),
+    "arcsin": _unary("g / sqrt(1 - x^2)", lambda g, x, y, xp: g / xp.sqrt(1 - x * x)),
+    "arccos": _unary("-g / sqrt(1 - x^2)", lambda g, x, y, xp: -g / xp.sqrt(1 - x * x)),
+    "sinh": _unary("g cosh(x)", lambda g, x, y, xp: g * xp.cosh(x)),
+    "cosh": _unary("g sinh(x)", lambda g, x, y, xp: g * xp.sinh(x)),
+    "floor": _unary("0", _zero, inputs=False), "ceil": _unary("0", _zero, inputs=False),
+    "trunc": _unary("0", _zero, inputs=False), "rint": _unary("0", _zero, inputs=False),
+    "sign": _unary("0", _zero, inputs=False),
+    "gelu": Backward(lambda g, xs, out, p, xp: (_gelu_grad(g, xs[0], p, xp),), True, False,
+                     "g (Phi(x) + x phi(x)) (tanh form when approximate='tanh')"),
+    "clip": Backward(lambda g, xs, out, p, xp: (g * _inside(xs[0], p, xp),), True, False,
+                     "g where lo <= x <= hi"),
+    "clone": _unary("g", lambda g, x, y, xp: g, inputs=False),
+}
+
+
+def _inside(x: Any, p: dict[str, Any], xp: Any) -> Any:
+    lo, hi = p.get("lo"), p.get("hi")
+    mask = xp.ones(x.shape, dtype=bool)
+    if lo is not None:
+        mask &= x >= lo
+    if hi is not None:
+        mask &= x <= hi
+    return mask
+
+
+def _binary(formula: str, fn: Callable[[Any, Any, Any, Any, Any], tuple[Any, Any]], *,
+            inputs: bool = True, output: bool = False) -> Backward:
+    return Backward(lambda g, xs, out, p, xp: fn(g, xs[0] if xs else None, xs[1] if xs else None,
+                                                  out, xp), inputs, output, formula)
+
+
+def _ties(g: Any, a: Any, b: Any, xp: Any, greater: bool) -> tuple[Any, Any]:
+    win = (a > b) if greater else (a < b)
+    tie = a == b
+    return g * (win + 0.5 * tie), g * (~win & ~tie) + g * 0.5 * tie
+
+
+BINARY: dict[str, Backward] = {
+    "add": _binary("(g, g)", lambda g, a, b, y, xp: (g, g), inputs=False),
+    "sub": _binary("(g, -g)", lambda g, a, b, y, xp: (g, -g), inputs=False),
+    "mul": _binary("(g b, g a)", lambda g, a, b, y, xp: (g * b, g * a)),
+    "truediv": _binary("(g / b, -g a / b^2)", lambda g, a, b, y, xp: (g / b, -g * a / (b * b))),
+    "pow": _binary("(g b a^(b-1), g y ln a)", lambda g, a, b, y, xp: (
+        g * b * a ** (b - 1), g * y * xp.log(xp.where(a > 0, a, 1))), output=True),
+    "maximum": _binary("g to the larger (split on ties)", lambda g, a, b, y, xp: _ties(g, a, b, xp, True)),
+    "minimum": _binary("g to the smaller (split on ties)", lambda g, a, b, y, xp: _ties(g, a, b, xp, False)),
+    "mod": _binary("(g, -g floor(a / b))", lambda g, a, b, y, xp: (g, -g * xp.floor_divide(a, b))),
+    "floordiv": _binary("0", lambda g, a, b, y, xp: (xp.zeros_like(g), xp.zeros_like(g)), inputs=False),
+    "arctan2": _binary("(g b, -g a) / (a^2 + b^2)", lambda g, a, b, y, xp: (
+        g * b / (a * a + b * b), -g * a / (a * a + b * b))),
+    "hypot": _binary("(g a / y, g b / y)", lambda g, a, b, y, xp: (g * a / y, g * b / y), output=True),
+}
+
+WHERE = Backward(lambda g, xs, out, p, xp: (None, g * xs[0], g * ~xs[0]), True, False,
+                 "(none, g where cond, g where not cond)")
+ASTYPE = Backward(lambda g, xs, out, p, xp: (g,), False, False, "g cast back to the input dtype")
+
+
+def _matmul(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any, Any]:
+    a, b = xs
+    a2 = a[None, :] if a.ndim == 1 else a
+    b2 = b[:, None] if b.ndim == 1 else b
+    g2 = g
+    if b.ndim == 1:
+        g2 = g2[..., None]
+    if a.ndim == 1:
+        g2 = g2[..., None, :]
+    ga = xp.matmul(g2, xp.swapaxes(b2, -1, -2))
+    gb = xp.matmul(xp.swapaxes(a2, -1, -2), g2)
+    if a.ndim == 1:
+        ga = ga[..., 0, :]
+    if b.ndim == 1:
+        gb = gb[..., :, 0]
+    return ga, gb
+
+
+MATMUL = Backward(_matmul, True, False, "(g @ b^T, a^T @ g), batch dims summed where broadcast")
+
+
+def _expand(g: Any, p: dict[str, Any]) -> Any:
+    """``g`` of a reduction with its reduced dims put back (size 1) when keepdim was False."""
+    if p["keepdim"]:
+        return g
+    for axis in p["axes"]:
+        g = g.reshape(g.shape[:axis] + (1,) + g.shape[axis:])
+    return g
+
+
+def _extreme(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any]:
+    x = xs[0]
+    mask = x == _expand(out, p)
+    count = xp.sum(mask, axis=p["axes"], keepdims=True)
+    return (_expand(g, p) * mask / count,)
+
+
+REDUCTIONS: dict[str, Backward] = {
+    "sum": Backward(lambda g, xs, out, p, xp: (xp.broadcast_to(_expand(g, p), p["in_shape"]),),
+                    False, False, "g broadcast over the reduced dims"),
+    "mean": Backward(lambda g, xs, out, p, xp: (
+        xp.broadcast_to(_expand(g, p) / p["count"], p["in_shape"]),), False, False,
+        "g / n broadcast over the reduced dims (n: the global count)"),
+    "max": Backward(_extreme, True, True, "g shared by the maxima (split on ties)"),
+    "min": Backward(_extreme, True, True, "g shared by the minima (split on ties)"),
+    "prod": Backward(lambda g, xs, out, p, xp: (_expand(g, p) * _expand(out, p) / xs[0],), True, True,
+                     "g y / x"),
+}
+
+SOFTMAX = Backward(lambda g, xs, out, p, xp: (
+    out * (g - xp.sum(g * out, axis=p["axis"], keepdims=True)),), False, True,
+    "y (g - sum(g y))")
+LOG_SOFTMAX = Backward(lambda g, xs, out, p, xp: (
+    g - xp.exp(out) * xp.sum(g, axis=p["axis"], keepdims=True),), False, True,
+    "g - exp(y) sum(g)")
+PERMUTE = Backward(lambda g, xs, out, p, xp: (xp.transpose(g, np.argsort(p["perm"])),), False, False,
+                   "g permuted back")
+RESHAPE = Backward(lambda g, xs, out, p, xp: (g.reshape(p["in_local_shape"]),), False, False,
+                   "g reshaped back")
+
+
+def _getitem(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any]:
+    grad = xp.zeros(p["in_local_shape"], dtype=g.dtype)
+    grad[p["key"]] = g
+    return (grad,)
+
+
+GETITEM = Backward(_getitem, False, False, "g placed at the indexed positions, zeros elsewhere")
+
+
+def _cat(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any, ...]:
+    bounds = np.cumsum(p["sizes"])[:-1]
+    return tuple(xp.split(g, bounds, axis=p["axis"]))
+
+
+def _stack(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any, ...]:
+    return tuple(xp.take(g, i, axis=p["axis"]) for i in range(p["count"]))
+
+
+CAT = Backward(_cat, False, False, "g split along the joined dim")
+STACK = Backward(_stack, False, False, "g taken along the new dim")
+
+
+def backward_of(op: str) -> Backward | None:
+    """The backward of operator ``op`` (None: not differentiable, e.g. comparisons)."""
+    return (UNARY.get(op) or BINARY.get(op) or REDUCTIONS.get(op) or OTHER.get(op))
+
+
+OTHER: dict[str, Backward] = {
+    "where": WHERE, "astype": ASTYPE, "matmul": MATMUL, "softmax": SOFTMAX,
+    "log_softmax": LOG_SOFTMAX, "transpose": PERMUTE, "reshape": RESHAPE, "getitem": GETITEM,
+    "cat": CAT, "stack": STACK,
+}
