@@ -156,7 +156,7 @@ def _matmul_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
 
 def _layout_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
     full = positive((SIZE + 1, 3, 4), 5)
-    calls: dict[Any, list[tuple[Callable[[dt.DTensor], dt.DTensor], Callable[[], Any]]]] = {
+    calls: dict[Any, list[tuple[Callable[..., dt.DTensor], Callable[[], Any]]]] = {
         planners.plan_permute: [
             (lambda x, p=p: apply.apply_permute(op, x, p), lambda p=p: op.reference(full, p))
             for p in itertools.permutations(range(3))],
@@ -167,15 +167,16 @@ def _layout_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
             (lambda x, k=k: apply.apply_getitem(op, x, k), lambda k=k: op.reference(full, k))
             for k in [(slice(None), 1), (Ellipsis, slice(1, 3)), (slice(None), None, 2, slice(None, None, -1)), 0]],
         planners.plan_cat: [
-            (lambda x, d=d: apply.apply_join(op, [x, x], d, False), lambda d=d: op.reference([full, full], d))
+            (lambda x, y, d=d: apply.apply_join(op, [x, y], d, False), lambda d=d: op.reference([full, full], d))
             for d in (0, 1, 2)],
         planners.plan_stack: [
-            (lambda x, d=d: apply.apply_join(op, [x, x], d, True), lambda d=d: op.reference([full, full], d))
+            (lambda x, y, d=d: apply.apply_join(op, [x, y], d, True), lambda d=d: op.reference([full, full], d))
             for d in (0, 1, 3)],
     }
+    arity = 2 if op.planner in (planners.plan_cat, planners.plan_stack) else 1
     for plc in ALL_1D + [dt.Shard(2)]:
         for make, want in calls[op.planner]:
-            yield [(full, [plc])], lambda args, make=make: make(*args), want, f"{op.name} {plc}"
+            yield [(full, [plc])] * arity, lambda args, make=make: make(*args), want, f"{op.name} {plc}"
 
 
 CASES: dict[Any, Callable[[Op, dt.DeviceMesh], Any]] = {
@@ -192,14 +193,24 @@ def test_every_declared_op_every_rule(name: str, mesh1d: dt.DeviceMesh, rule_hit
     result equal to the op's NumPy reference, no communication, and every rule exercised."""
     op = OPS[name]
     assert op.planner in CASES, f"{name}: no generated cases for planner {op.planner.__name__}"
-    ran = 0
+    ran = refused = 0
     for inputs, call, want, what in CASES[op.planner](op, mesh1d):
         args = [value if plc is None else dist(value, mesh1d, plc) for value, plc in inputs]
         try:
             with dt.CommCounter() as moved:
                 got = call(args)
-        except dt.PlacementError:
-            continue  # e.g. Shard(d) landing on a dim the op removes: not this rule
+        except dt.PlacementError as err:  # e.g. Shard(d) on a dim the op removes: the fix must work
+            refused += 1
+            for who, fix in _suggested_fixes(str(err)):
+                i = int(who[8:-1]) if who.startswith("tensors[") else {"x": 0, "a": 0, "b": 1, "c": 2}[who]
+                args[i] = args[i].redistribute(placements=fix)
+            try:
+                got = call(args)
+            except dt.PlacementError as again:
+                check.true(False, f"{what}: the suggested fix did not work: {again}")
+                continue
+            check.equal(got.to_torch(), want(), f"{what} after the suggested fix", exact=False, rtol=1e-9, atol=1e-12)
+            continue
         except ValueError as err:  # max/min of an empty dim: NumPy raises too
             with pytest.raises(ValueError):
                 want()
