@@ -46,6 +46,7 @@ from .planners import (
     plan_stack,
 )
 from .registry import Op
+from .signature import P, R, Rule, S, Signature
 from .tables import BINARY, OTHER, UNARY, WHERE
 
 
@@ -247,6 +248,18 @@ def log_softmax(x: DTensor, dim: int = -1) -> DTensor:
     return apply_along_dim(LOG_SOFTMAX, x, dim)
 
 
+CUMSUM = Op("cumsum", Signature("cumsum", (
+    Rule((S("d"),), S("d")), Rule((R,), R), Rule((P("sum"),), P("sum")), Rule((P("avg"),), P("avg"))),
+    "the cumsum dim must not be sharded; linear: Partial(sum|avg) stays"),
+    plan_along_dim, lambda xp, x, dim: xp.cumsum(x, axis=dim), reference=lambda x, dim: np.cumsum(x, axis=dim))
+
+
+@CUMSUM.define("cumsum")
+def cumsum(x: DTensor, dim: int) -> DTensor:
+    """Cumulative sum along an unsharded ``dim``. Rules: ``signature("cumsum")``."""
+    return apply_along_dim(CUMSUM, x, dim)
+
+
 # --- layout --------------------------------------------------------------------------------
 TRANSPOSE = Op("transpose", OTHER["transpose"], plan_permute, K.permute, reference=np.transpose)
 
@@ -340,7 +353,7 @@ def stack(tensors: Sequence[DTensor], dim: int = 0) -> DTensor:
 __all__ = [  # every public operator name; tests/test_ops.py checks it against OPS
     "abs", "add", "arccos", "arcsin", "arcsinh", "arctan", "arctan2", "argmax", "argmin", "astype",
     "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "cat", "cbrt", "ceil", "clip", "clone",
-    "cos", "cosh", "divide", "eq", "exp", "expm1", "flatten", "floor", "floor_divide", "floordiv", "ge",
+    "cos", "cosh", "cumsum", "divide", "eq", "exp", "expm1", "flatten", "floor", "floor_divide", "floordiv", "ge",
     "gelu", "gt", "hypot", "isfinite", "isinf", "isnan", "le", "log", "log10", "log1p", "log2",
     "log_softmax", "logical_and", "logical_not", "logical_or", "logical_xor", "lt", "matmul", "max",
     "maximum", "mean", "min", "minimum", "mod", "mul", "multiply", "ne", "neg", "negative", "permute",
