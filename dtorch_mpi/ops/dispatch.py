@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import MeshMismatchError, PlacementError
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
-from ..redistribute import CompiledPlan, compile_plan, run_compiled
+from ..redistribute import CompiledPlan, compile_plan
 from ..spec import DTensorSpec
 from .signature import DimMap, Rule, Signature, match_mesh_dim
 
@@ -108,11 +108,6 @@ def infer(
 
     return OpPlan(mesh, tuple(out), out_shape, tuple(prepare), reduced_sharded,
                   array_namespace(mesh.device_type), tuple(rules))
-
-
-def prepared(local: Any, plan: CompiledPlan | None) -> Any:
-    """Apply a plan's local slices (never communication) to an input piece."""
-    return local if plan is None else run_compiled(local, plan)
 
 
 def placement_error(
