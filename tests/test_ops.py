@@ -511,3 +511,15 @@ def test_gelu_exact_and_tanh_and_rejects_unknown_keywords(mesh1d: dt.DeviceMesh)
         dt.gelu(x, approx="tanh")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="unexpected keyword"):
         dt.relu(x, alpha=0.1)
+
+
+def test_dtensor_typing_stubs_name_only_declared_methods() -> None:
+    """The TYPE_CHECKING block in dtensor.py must not promise a method no declaration binds."""
+    import inspect
+
+    from dtorch_mpi.dtensor import DTensor
+
+    block = inspect.getsource(DTensor).split("if TYPE_CHECKING:")[1].split("# --- local piece")[0]
+    stubbed = set(re.findall(r"def (\w+)\(", block)) | set(re.findall(r"^\s+(\w+): DTensor$", block, re.M))
+    bound = {name for op in OPS.values() for name in op.methods}
+    assert stubbed - {"__getattr__"} <= bound, stubbed - bound
