@@ -22,40 +22,17 @@ from .errors import (
 from .factory import arange, distribute_tensor, empty, full, ones, rand, randn, zeros
 from .mesh import DeviceMesh, init_device_mesh
 from .nn import ColwiseParallel, RowwiseParallel, parallelize_module
-from .ops import ARG_REDUCTIONS as _ARG_REDUCTIONS
-from .ops import BINARY_FUNCTIONS as _BINARY
-from .ops import REDUCTIONS as _REDUCTIONS
-from .ops import UNARY_FUNCTIONS as _UNARY
+from .ops import catalog as _catalog
+from .ops import install_methods as _install_methods
 from .ops import signature
-from .ops.functions import (
-    astype,
-    cat,
-    clone,
-    flatten,
-    log_softmax,
-    matmul,
-    permute,
-    reshape,
-    softmax,
-    squeeze,
-    stack,
-    swapaxes,
-    transpose,
-    unsqueeze,
-    where,
-)
+from .ops.catalog import *  # noqa: F403  (every operator function; its __all__ is checked against OPS)
 from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 from .redistribute import plan_redistribute
 from .split import compute_local_shape_and_offset
 from .visualize import sharding_table, visualize_sharding
 
-globals().update(_UNARY)
-globals().update(_BINARY)
-globals().update(_REDUCTIONS)
-globals().update(_ARG_REDUCTIONS)
-divide, multiply, subtract, negative, power = (  # NumPy spellings
-    _BINARY["truediv"], _BINARY["mul"], _BINARY["sub"], _UNARY["neg"], _BINARY["pow"])
+_install_methods(DTensor)  # DTensor methods and operators, derived from the operator declarations
 
 __version__ = "0.1.0"
 
@@ -65,8 +42,6 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
-    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "astype", "cat", "clone", "flatten", "log_softmax", "matmul", "permute",
-    "reshape", "softmax", "squeeze", "stack", "swapaxes", "transpose", "unsqueeze", "where",
-    "divide", "multiply", "subtract", "negative", "power", "enable_grad", "is_grad_enabled", "no_grad",
+    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "enable_grad", "is_grad_enabled", "no_grad",
 ]
-__all__.extend(sorted(_UNARY) + sorted(_BINARY) + sorted(_REDUCTIONS) + sorted(_ARG_REDUCTIONS))
+__all__ += _catalog.__all__

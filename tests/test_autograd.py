@@ -25,7 +25,6 @@ from test_ops import MATMUL_SHAPES, assert_all_rules_ran, dist, placement_for
 from test_redistribute import P1, P2
 
 import dtorch_mpi as dt
-from dtorch_mpi.ops import functions as F
 
 R = dt.Replicate()
 rule_hits = test_ops.rule_hits  # the fixture that records which forward rules ran
@@ -121,7 +120,7 @@ UNARY_REF["gelu"] = (lambda x: 0.5 * x * (1 + np.vectorize(math.erf, otypes=[flo
 def test_unary_backward_every_rule(op: str, mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
     ref, low, high = UNARY_REF[op]
     sig = dt.signature(op)
-    fn = getattr(dt, op) if op != "clone" else F.clone
+    fn = getattr(dt, op)
     for n in (0, 1, SIZE + 1):
         full = values((n, 3), n, low, high)
         for rule in sig.rules:
@@ -155,12 +154,12 @@ def test_binary_backward_every_rule(op: str, mesh1d: dt.DeviceMesh, rule_hits: s
                         isinstance(p[0], dt.Shard) and s[p[0].dim] == 1 and out_shape[d] != 1
                         for p, s in ((pa, sa), (pb, sb))):
                     continue
-                grad_check(lambda a, b: F.binary(op, a, b), BINARY_REF[op], [A, B], [pa, pb], mesh1d,
+                grad_check(getattr(dt, op), BINARY_REF[op], [A, B], [pa, pb], mesh1d,
                            check, f"{op} {sa}{pa} {sb}{pb}")
     # a scalar operand gets no gradient, the tensor does
     A = values((SIZE + 1, 2), 3)
     for plc in ([dt.Shard(0)], [R]):
-        grad_check(lambda a: F.binary(op, a, 1.5), lambda a: BINARY_REF[op](a, 1.5), [A], [plc], mesh1d,
+        grad_check(lambda a: getattr(dt, op)(a, 1.5), lambda a: BINARY_REF[op](a, 1.5), [A], [plc], mesh1d,
                    check, f"{op} scalar {plc}")
     check.done()
     if sig.rules:

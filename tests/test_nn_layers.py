@@ -15,7 +15,7 @@ from dtorch_mpi import nn
 from dtorch_mpi.nn import functional as F
 
 R, S0, S1 = dt.Replicate(), dt.Shard(0), dt.Shard(1)
-ERF = np.vectorize(math.erf)
+ERF = np.vectorize(math.erf, otypes=[np.float64])
 
 
 def _np_softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
-from dtorch_mpi.ops import dispatch
-from dtorch_mpi.ops import functions as F
+from dtorch_mpi.ops import OPS, Op, apply, dispatch, planners
 from dtorch_mpi.ops.signature import Pat
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
@@ -55,9 +54,7 @@ def placement_for(pat: Pat, ndim: int, d: int) -> list[dt.Placement] | None:
 @pytest.fixture
 def rule_hits() -> Any:
     dispatch.RULE_HITS = set()
-    for info_fn in (F._plan_elementwise, F._plan_matmul, F._plan_reduce, F._plan_softmax,
-                    F._plan_permute, F._plan_reshape, F._plan_getitem, F._plan_join):
-        info_fn.cache_clear()
+    apply.clear_plan_cache()
     yield dispatch.RULE_HITS
     dispatch.RULE_HITS = None
 
@@ -68,66 +65,163 @@ def assert_all_rules_ran(hits: set, ops: list[str]) -> None:
     assert not missing, "rules never exercised: " + "; ".join(f"{op}[{i}] {r!r}" for op, i, r in missing)
 
 
-UNARY_REF: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "neg": np.negative, "exp": np.exp, "log": np.log, "sqrt": np.sqrt, "tanh": np.tanh,
-    "sigmoid": lambda x: 1 / (1 + np.exp(-x)), "relu": lambda x: np.maximum(x, 0),
-    "abs": np.abs, "sin": np.sin, "square": np.square, "floor": np.floor, "sign": np.sign,
-    "arcsinh": np.arcsinh, "rint": np.rint,
+# --- generated from the declarations: every operator, every rule ------------------------------
+def sample(domain: str, shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Test values in an operand's declared domain."""
+    rng = np.random.default_rng(seed)
+    if domain == "unit":
+        return rng.integers(-4, 5, size=shape) / 4.0
+    if domain == "int":
+        return rng.integers(1, 10, size=shape)
+    if domain == "bool":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return positive(shape, seed)
+
+
+def _elementwise_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
+    """Cases are (inputs as (full value, placements or None for a scalar), call on the
+    distributed inputs, NumPy reference, label). Every rule on broadcasting shapes (even, uneven, empty, length 1), Shard on every dim,
+    with each declared parameter example; scalars act as Replicate."""
+    arity = len(op.signature.rules[0].inputs)
+    fn = op.functions.get(op.name) or (lambda *xs, **kw: apply.apply_elementwise(op, xs, kw))
+    shape_sets = {1: [((n, 5),) for n in (0, 1, SIZE + 1, 7)],
+                  2: [((SIZE + 2, 4), (SIZE + 2, 4)), ((SIZE + 2, 4), (4,)), ((3, SIZE + 1), (1, SIZE + 1)),
+                      ((0, 3), (0, 3)), ((1, 2), (1, 2))],
+                  3: [((SIZE + 2, 3),) * 3, ((SIZE + 1, 3), (3,), (SIZE + 1, 3)), ((0, 2),) * 3]}[arity]
+    domains = op.domain if len(op.domain) == arity else op.domain[:1] * arity
+    for shapes in shape_sets:
+        fulls = [sample(dom, sh, i + sum(sh)) for i, (dom, sh) in enumerate(zip(domains, shapes))]
+        out_shape = np.broadcast_shapes(*shapes)
+        for rule in op.signature.rules:
+            for d in range(len(out_shape)):
+                plcs = [placement_for(pat, len(sh), d - (len(out_shape) - len(sh)))
+                        for pat, sh in zip(rule.inputs, shapes)]
+                if any(p is None for p in plcs):
+                    continue
+                if any(isinstance(p[0], dt.Shard) and sh[p[0].dim] == 1 and out_shape[d] != 1
+                       for p, sh in zip(plcs, shapes)):  # type: ignore[index]
+                    continue  # a stretched shard: covered by the error tests
+                for params in op.examples:
+                    yield (list(zip(fulls, plcs)), lambda args, params=params: fn(*args, **params),
+                           lambda fulls=fulls, params=params: op.reference(*fulls, **params),
+                           f"{op.name}{params} {shapes} {plcs}")
+    if arity == 2:  # a scalar operand on either side
+        A = sample(op.domain[0], (SIZE + 1, 3), 7)
+        for plc in ([dt.Shard(0)], [dt.Replicate()]):
+            yield [(A, plc), (2, None)], lambda args: fn(*args), lambda: op.reference(A, 2), f"{op.name} scalar"
+            yield [(3, None), (A, plc)], lambda args: fn(*args), lambda: op.reference(3, A), f"{op.name} rscalar"
+
+
+def _reduce_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
+    fn = op.functions[op.name]
+    arg = op.name.startswith("arg")
+    for n in (1, SIZE - 1 or 1, SIZE + 1, 2 * SIZE + 1):
+        full = positive((n, 3, 2), seed=n)
+        for plc in ALL_1D + [dt.Shard(2)]:
+            for dim in ((None, 0, 1, -1) if arg else (None, 0, 1, (0, 2), -1)):
+                for keepdim in (False, True):
+                    keep = keepdim and not (arg and dim is None)  # argmax of the flattened tensor: a scalar
+                    want = (lambda dim=dim, keep=keep: op.reference(full, axis=dim, keepdims=keep))
+                    yield ([(full, [plc])], lambda args, dim=dim, keepdim=keepdim: fn(*args, dim, keepdim),
+                           want, f"{op.name} {plc} dim={dim} keepdim={keepdim} n={n}")
+
+
+def _along_dim_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
+    fn = op.functions[op.name]
+    for n in (0, 1, SIZE + 1, 2 * SIZE + 1):
+        full = positive((n, 3, 2), seed=n)
+        for plc in ALL_1D + [dt.Shard(2)]:
+            for dim in (0, 1, 2, -1):
+                yield ([(full, [plc])], lambda args, dim=dim: fn(*args, dim),
+                       lambda dim=dim: op.reference(full, dim), f"{op.name} {plc} dim={dim} n={n}")
+
+
+MATMUL_SHAPES = [((SIZE + 2, 4), (4, 3)), ((4, SIZE + 1), (SIZE + 1, 2)), ((2, SIZE + 1, 4), (4, 3)),
+                 ((2, 3, 4), (2, 4, SIZE)), ((SIZE + 2, 4), (4,)), ((4,), (4, SIZE + 1)), ((0, 3), (3, 2))]
+
+
+def _matmul_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
+    fn = op.functions[op.name]
+    for sa, sb in MATMUL_SHAPES:
+        A, B = positive(sa, 3), positive(sb, 4)
+        nd = max(len(sa), len(sb))
+        for rule in op.signature.rules:
+            for d in range(3):
+                pa = placement_for(rule.inputs[0], len(sa), d - (nd - len(sa)))
+                pb = placement_for(rule.inputs[1], len(sb), d - (nd - len(sb)))
+                if pa is not None and pb is not None:
+                    yield ([(A, pa), (B, pb)], lambda args: fn(*args),
+                           lambda: op.reference(A, B), f"{op.name} {sa}{pa} @ {sb}{pb}")
+
+
+def _layout_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
+    full = positive((SIZE + 1, 3, 4), 5)
+    calls: dict[Any, list[tuple[Callable[..., dt.DTensor], Callable[[], Any]]]] = {
+        planners.plan_permute: [
+            (lambda x, p=p: apply.apply_permute(op, x, p), lambda p=p: op.reference(full, p))
+            for p in itertools.permutations(range(3))],
+        planners.plan_reshape: [
+            (lambda x, s=s: apply.apply_reshape(op, x, s), lambda s=s: op.reference(full, s))
+            for s in [(SIZE + 1, 12), (-1, 4), (SIZE + 1, 3, 2, 2), (1, SIZE + 1, 12), (SIZE + 1, 1, 3, 4)]],
+        planners.plan_getitem: [
+            (lambda x, k=k: apply.apply_getitem(op, x, k), lambda k=k: op.reference(full, k))
+            for k in [(slice(None), 1), (Ellipsis, slice(1, 3)), (slice(None), None, 2, slice(None, None, -1)), 0]],
+        planners.plan_cat: [
+            (lambda x, y, d=d: apply.apply_join(op, [x, y], d, False), lambda d=d: op.reference([full, full], d))
+            for d in (0, 1, 2)],
+        planners.plan_stack: [
+            (lambda x, y, d=d: apply.apply_join(op, [x, y], d, True), lambda d=d: op.reference([full, full], d))
+            for d in (0, 1, 3)],
+    }
+    arity = 2 if op.planner in (planners.plan_cat, planners.plan_stack) else 1
+    for plc in ALL_1D + [dt.Shard(2)]:
+        for make, want in calls[op.planner]:
+            yield [(full, [plc])] * arity, lambda args, make=make: make(*args), want, f"{op.name} {plc}"
+
+
+CASES: dict[Any, Callable[[Op, dt.DeviceMesh], Any]] = {
+    planners.plan_elementwise: _elementwise_cases, planners.plan_reduce: _reduce_cases,
+    planners.plan_along_dim: _along_dim_cases, planners.plan_matmul: _matmul_cases,
+    planners.plan_permute: _layout_cases, planners.plan_reshape: _layout_cases,
+    planners.plan_getitem: _layout_cases, planners.plan_cat: _layout_cases, planners.plan_stack: _layout_cases,
 }
 
 
-@pytest.mark.parametrize("op", sorted(UNARY_REF))
-def test_unary_every_rule(op: str, mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
-    sig = dt.signature(op)
-    for n in (0, 1, SIZE + 1, 7):
-        full = positive((n, 5), seed=n)
-        for rule in sig.rules:
-            for d in (0, 1):
-                plc = placement_for(rule.inputs[0], 2, d)
-                if plc is None:
-                    continue
-                y = getattr(dt, op)(dist(full, mesh1d, plc))
-                check.equal(y.to_torch(), UNARY_REF[op](full), f"{op} {plc} n={n}", exact=False)
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_every_declared_op_every_rule(name: str, mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
+    """Generated from the declaration: every rule instantiated on uneven and empty shapes, the
+    result equal to the op's NumPy reference, no communication, and every rule exercised."""
+    op = OPS[name]
+    assert op.planner in CASES, f"{name}: no generated cases for planner {op.planner.__name__}"
+    ran = refused = 0
+    for inputs, call, want, what in CASES[op.planner](op, mesh1d):
+        args = [value if plc is None else dist(value, mesh1d, plc) for value, plc in inputs]
+        try:
+            with dt.CommCounter() as moved:
+                got = call(args)
+        except dt.PlacementError as err:  # e.g. Shard(d) on a dim the op removes: the fix must work
+            refused += 1
+            for who, fix in _suggested_fixes(str(err)):
+                i = int(who[8:-1]) if who.startswith("tensors[") else {"x": 0, "a": 0, "b": 1, "c": 2}[who]
+                args[i] = args[i].redistribute(placements=fix)
+            try:
+                got = call(args)
+            except dt.PlacementError as again:
+                check.true(False, f"{what}: the suggested fix did not work: {again}")
+                continue
+            check.equal(got.to_torch(), want(), f"{what} after the suggested fix", exact=False, rtol=1e-9, atol=1e-12)
+            continue
+        except ValueError as err:  # max/min of an empty dim: NumPy raises too
+            with pytest.raises(ValueError):
+                want()
+            check.true("zero-size" in str(err), f"{what}: {err}")
+            continue
+        ran += 1
+        check.true(moved.count == 0, f"{what}: an operator communicated")
+        check.equal(got.to_torch(), want(), what, exact=False, rtol=1e-9, atol=1e-12)
+    check.true(ran > 0, f"{name}: no case ran")
     check.done()
-    assert_all_rules_ran(rule_hits, [op])
-
-
-BINARY_REF = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.divide,
-              "maximum": np.maximum, "minimum": np.minimum, "pow": np.power, "lt": np.less,
-              "eq": np.equal, "mod": np.mod}
-
-
-@pytest.mark.parametrize("op", sorted(BINARY_REF))
-def test_binary_every_rule_with_broadcasting(op: str, mesh1d: dt.DeviceMesh, rule_hits: set,
-                                             check: Checker) -> None:
-    sig = dt.signature(op)
-    shapes = [((SIZE + 2, 4), (SIZE + 2, 4)), ((SIZE + 2, 4), (4,)), ((3, SIZE + 1), (1, SIZE + 1)),
-              ((0, 3), (0, 3)), ((1, 2), (1, 2))]
-    for sa, sb in shapes:
-        A, B = positive(sa, 1), positive(sb, 2)
-        for rule in sig.rules:
-            for d in range(len(np.broadcast_shapes(sa, sb))):
-                out_nd = len(np.broadcast_shapes(sa, sb))
-                pa = placement_for(rule.inputs[0], len(sa), d - (out_nd - len(sa)))
-                pb = placement_for(rule.inputs[1], len(sb), d - (out_nd - len(sb)))
-                if pa is None or pb is None:
-                    continue
-                if any(isinstance(p, dt.Shard) and s[p.dim] == 1 and out_s != 1 for p, s, out_s in
-                       ((pa[0], sa, np.broadcast_shapes(sa, sb)[d]), (pb[0], sb, np.broadcast_shapes(sa, sb)[d]))):
-                    continue  # a stretched shard: covered by the error test
-                a, b = dist(A, mesh1d, pa), dist(B, mesh1d, pb)
-                with dt.CommCounter() as moved:
-                    y = F.binary(op, a, b)
-                check.true(moved.count == 0, f"{op}: an operator communicated")
-                check.equal(y.to_torch(), BINARY_REF[op](A, B), f"{op} {sa}{pa} {sb}{pb}", exact=False)
-    # scalars act as Replicate
-    A = positive((SIZE + 1, 3))
-    for plc in ([dt.Shard(0)], [dt.Replicate()]):
-        check.equal(F.binary(op, dist(A, mesh1d, plc), 2).to_torch(), BINARY_REF[op](A, 2), f"{op} scalar", exact=False)
-        check.equal(F.binary(op, 3, dist(A, mesh1d, plc)).to_torch(), BINARY_REF[op](3, A), f"{op} rscalar", exact=False)
-    check.done()
-    assert_all_rules_ran(rule_hits, [op] if op in ("add", "sub", "mul", "truediv", "maximum",
-                                                    "minimum") else [])
+    assert_all_rules_ran(rule_hits, [name])
 
 
 def test_python_operators_and_inplace(mesh1d: dt.DeviceMesh, check: Checker) -> None:
@@ -155,49 +249,6 @@ def test_python_operators_and_inplace(mesh1d: dt.DeviceMesh, check: Checker) -> 
     with pytest.raises(dt.PlacementError, match="in-place add would change"):
         r = dist(A, mesh1d, [dt.Replicate()])
         r += a
-
-
-MATMUL_SHAPES = [((SIZE + 2, 4), (4, 3)), ((4, SIZE + 1), (SIZE + 1, 2)), ((2, SIZE + 1, 4), (4, 3)),
-                 ((2, 3, 4), (2, 4, SIZE)), ((SIZE + 2, 4), (4,)), ((4,), (4, SIZE + 1)), ((0, 3), (3, 2))]
-
-
-def test_matmul_every_rule(mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
-    sig = dt.signature("matmul")
-    for sa, sb in MATMUL_SHAPES:
-        A, B = positive(sa, 3), positive(sb, 4)
-        want = A @ B
-        for rule in sig.rules:
-            for d in range(3):
-                pa = placement_for(rule.inputs[0], len(sa), d - (max(len(sa), len(sb)) - len(sa)))
-                pb = placement_for(rule.inputs[1], len(sb), d - (max(len(sa), len(sb)) - len(sb)))
-                if pa is None or pb is None:
-                    continue
-                try:
-                    y = dist(A, mesh1d, pa) @ dist(B, mesh1d, pb)
-                except dt.PlacementError:
-                    continue  # e.g. Shard(d) landing on a matrix dim: not this rule
-                check.equal(y.to_torch(), want, f"matmul {sa}{pa} @ {sb}{pb}", exact=False)
-    check.done()
-    assert_all_rules_ran(rule_hits, ["matmul"])
-
-
-@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
-def test_reductions_every_rule(op: str, mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
-    ref = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
-    for n in (1, SIZE - 1 or 1, SIZE + 1, 2 * SIZE + 1):
-        full = positive((n, 3, 2), seed=n)
-        for plc in ALL_1D + [dt.Shard(2)]:
-            for dim in (None, 0, 1, (0, 2), -1):
-                for keepdim in (False, True):
-                    try:
-                        y = getattr(dt, op)(dist(full, mesh1d, [plc]), dim=dim, keepdim=keepdim)
-                    except dt.PlacementError:
-                        continue
-                    want = ref(full, axis=dim, keepdims=keepdim)
-                    check.equal(y.to_torch(), want, f"{op} {plc} dim={dim} keep={keepdim} n={n}",
-                                exact=False, rtol=1e-9)
-    check.done()
-    assert_all_rules_ran(rule_hits, [op])
 
 
 def test_mean_of_uneven_shards_is_the_true_mean(mesh1d: dt.DeviceMesh) -> None:
@@ -324,11 +375,20 @@ def test_signatures_are_readable_data() -> None:
         dt.signature("frobnicate")
 
 
-def test_inference_cache_is_bounded() -> None:
+def test_one_bounded_plan_cache_serves_every_operator(mesh1d: dt.DeviceMesh) -> None:
     from dtorch_mpi.ops.dispatch import INFERENCE_CACHE_SIZE
 
-    for info in F.cache_info().values():
-        assert info.maxsize == INFERENCE_CACHE_SIZE
+    apply.clear_plan_cache()
+    x = dt.ones(SIZE + 1, 3, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    for _ in range(2):
+        (x + x).sum(1).exp()
+        x.T.unsqueeze(0)
+        x[:, 1:]
+    info = dt.ops.cache_info()
+    assert info.maxsize == INFERENCE_CACHE_SIZE
+    assert (info.misses, info.hits) == (6, 6), info
+    apply.clear_plan_cache()
+    assert dt.ops.cache_info().currsize == 0
 
 
 def test_2d_mesh_each_dim_matched_on_its_own(mesh2d: dt.DeviceMesh, check: Checker) -> None:
@@ -353,11 +413,11 @@ def test_2d_mesh_each_dim_matched_on_its_own(mesh2d: dt.DeviceMesh, check: Check
 def test_property_binary_ops(mesh1d: dt.DeviceMesh, rows: int, cols: int, pa: Any, pb: Any, op: str) -> None:
     A, B = positive((rows, cols), rows), positive((rows, cols), cols)
     try:
-        y = F.binary(op, dist(A, mesh1d, [pa]), dist(B, mesh1d, [pb]))
+        y = getattr(dt, op)(dist(A, mesh1d, [pa]), dist(B, mesh1d, [pb]))
     except dt.PlacementError as err:
         assert ".redistribute(placements=" in str(err)
         return
-    assert np.allclose(y.to_torch(), BINARY_REF[op](A, B))
+    assert np.allclose(y.to_torch(), OPS[op].reference(A, B))
 
 
 def test_cached_plans_never_outlive_their_mesh() -> None:
@@ -368,3 +428,97 @@ def test_cached_plans_never_outlive_their_mesh() -> None:
         y = dt.ones(4, device_mesh=second) * 2
         assert y.device_mesh is second
         assert np.array_equal(y.redistribute(placements=[dt.Shard(0)]).to_torch(), np.full(4, 2.0, np.float32))
+
+
+# --- everything public is derived from the declarations ----------------------------------------
+def test_exports_are_derived_from_the_declarations() -> None:
+    from dtorch_mpi.ops import catalog, exported
+
+    declared = exported()
+    assert sorted(catalog.__all__) == sorted(declared), "catalog.__all__ differs from the declarations"
+    for name, fn in declared.items():
+        assert getattr(catalog, name) is fn and getattr(dt, name) is fn, name
+        assert name in dt.__all__, name
+    core = set(dt.__all__) - set(declared)
+    assert not core & set(declared)
+    for name in core:
+        assert getattr(dt, name) is not None
+    assert len(dt.__all__) == len(set(dt.__all__))
+
+
+def test_dtensor_methods_are_derived_from_the_declarations() -> None:
+    from dtorch_mpi.dtensor import DTensor
+
+    bound = {name: value for op in OPS.values() for name, value in op.methods.items()}
+    for name, value in bound.items():
+        assert vars(DTensor)[name] is value, name
+        assert dt.signature(name) is OPS[next(n for n, op in OPS.items() if name in op.methods)].signature
+    assert {"__add__", "__radd__", "__iadd__", "add_", "T", "__getitem__", "view", "exp"} <= set(bound)
+
+
+def test_backward_rules_are_shown_by_signature_and_docs() -> None:
+    import os
+    import sys
+
+    differentiable = {name for name, op in OPS.items() if op.backward is not None}
+    assert {"exp", "add", "matmul", "sum", "softmax", "reshape", "getitem", "cat", "cumsum"} <= differentiable
+    assert {"argmax", "lt", "bitwise_and"}.isdisjoint(differentiable)
+    text = repr(dt.signature("matmul"))
+    assert "backward:\n    gradient: (g @ b^T, a^T @ g)" in text
+    assert '(Replicate(), Shard(-1)) -> Shard(-1)   grads: (Partial("sum"), Shard(-1))' in text
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    try:
+        from gen_signatures import render
+    finally:
+        sys.path.pop(0)
+    assert "## exp\n" in render() and "Backward:\n\n```\ngradient: g * y" in render()
+
+
+def test_plans_record_the_matched_rule_per_mesh_dim(mesh2d: dt.DeviceMesh) -> None:
+    x = dt.ones(5, 4, device_mesh=mesh2d, placements=[dt.Shard(0), dt.Replicate()])
+    b = dt.ones(4, device_mesh=mesh2d, placements=[dt.Replicate(), dt.Replicate()])
+    plan = apply.plan_for(OPS["add"], (x.spec, b.spec), ())
+    rules = OPS["add"].signature.rules
+    assert plan.rules == (rules[1], rules[3])  # (Shard(d), Replicate()) and (Replicate(), Replicate())
+
+
+@pytest.mark.parametrize("call", [lambda: dt.sum(3.0), lambda: dt.squeeze(3), lambda: dt.mean([1, 2]),
+                                  lambda: dt.softmax(2.0), lambda: dt.permute(1, 0), lambda: dt.reshape(3, 1),
+                                  lambda: dt.argmax("x"), lambda: dt.cat(5), lambda: dt.transpose(None),
+                                  lambda: dt.astype(1.0, np.float32), lambda: dt.clone(2)])
+def test_non_tensor_inputs_raise_type_error(call: Callable[[], Any]) -> None:
+    with pytest.raises(TypeError, match=r"must be a DTensor|sequence of DTensors"):
+        call()
+
+
+def test_gelu_exact_and_tanh_and_rejects_unknown_keywords(mesh1d: dt.DeviceMesh) -> None:
+    import math
+
+    full = np.linspace(-6, 6, 4 * SIZE + 3)
+    x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
+    exact = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in full])
+    assert np.allclose(dt.gelu(x).to_torch(), exact, rtol=1e-15, atol=1e-15)
+    assert np.allclose(x.gelu(approximate="none").to_torch(), exact, rtol=1e-15, atol=1e-15)
+    tanh = 0.5 * full * (1 + np.tanh(math.sqrt(2 / math.pi) * (full + 0.044715 * full**3)))
+    assert np.allclose(dt.gelu(x, approximate="tanh").to_torch(), tanh, rtol=1e-15, atol=1e-15)
+    assert np.abs(tanh - exact).max() > 5e-5  # the two forms differ: the default is the exact one
+    x32 = dt.distribute_tensor(full.astype(np.float32), mesh1d, [dt.Shard(0)])
+    assert dt.gelu(x32).dtype == np.float32
+    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
+        dt.gelu(x, approximate="erf")
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        dt.gelu(x, approx="tanh")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        dt.relu(x, alpha=0.1)
+
+
+def test_dtensor_typing_stubs_name_only_declared_methods() -> None:
+    """The TYPE_CHECKING block in dtensor.py must not promise a method no declaration binds."""
+    import inspect
+
+    from dtorch_mpi.dtensor import DTensor
+
+    block = inspect.getsource(DTensor).split("if TYPE_CHECKING:")[1].split("# --- local piece")[0]
+    stubbed = set(re.findall(r"def (\w+)\(", block)) | set(re.findall(r"^\s+(\w+): DTensor$", block, re.M))
+    bound = {name for op in OPS.values() for name in op.methods}
+    assert stubbed - {"__getattr__"} <= bound, stubbed - bound

@@ -8,18 +8,19 @@ hot path pays one flag test and one attribute test per operand.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlacementError
 from ..placement import Partial, Placement, Replicate, Shard
 from .grad_mode import _GradMode
 from .graph import attach
-from .kernels import backward_of
+from .kernels import Backward
 from .rules import DIFFERENTIABLE_PARTIALS, grad_placement, no_gradient
 
 if TYPE_CHECKING:
     from ..dtensor import DTensor
+    from ..ops.dispatch import OpPlan
     from ..spec import DTensorSpec
 
 
@@ -78,23 +79,25 @@ def check_grad_layout(name: str, out: "DTensorSpec", grad: "DTensor") -> None:
             )
 
 
-def record_op(op: str, mesh_placements: tuple[Placement, ...], prepared_specs: Sequence["DTensorSpec | None"],
-              operands: Sequence[Any], inputs: Sequence[Any], out: "DTensor",
-              params: dict[str, Any], xp: Any) -> "DTensor":
-    """Attach ``op``'s backward to ``out`` when some operand requires grad.
+def record_op(op: str, bw: Backward, plan: "OpPlan", operands: Sequence[Any], inputs: Sequence[Any],
+              out: "DTensor", params: Mapping[str, Any]) -> "DTensor":
+    """Attach ``op``'s backward ``bw`` to ``out`` (some operand requires grad).
 
-    ``prepared_specs[i]``: operand ``i``'s spec after the op's local cuts (None if uncut);
-    ``inputs``: the local pieces the kernel ran on.
+    ``plan``: the op's plan (each input's local cut in ``plan.prepare``); ``inputs``: the local
+    pieces the kernel ran on; ``params``: the op's parameters, which the kernel also gets,
+    with ``in_shapes`` (the inputs' local shapes) and ``in_specs`` (the operands' specs).
     """
-    bw = backward_of(op)
-    if bw is None or out.dtype.kind not in "fc":
+    if out.dtype.kind not in "fc":
         return out
     wants = tuple(differentiable(t) for t in operands)
     if not any(wants):
         return out
     specs = tuple(t.spec if w else None for t, w in zip(operands, wants))
-    cuts = tuple(prepared_specs) if prepared_specs else (None,) * len(operands)
+    cuts = tuple(p.out_spec if p is not None else None for p in plan.prepare)
     shapes = tuple(getattr(x, "shape", ()) for x in inputs)
+    kernel_params = {**params, "in_shapes": shapes,
+                     "in_specs": tuple(getattr(t, "spec", None) for t in operands)}
+    xp = plan.xp
     saved_inputs = tuple(inputs) if bw.saves_inputs else ()
     saved_out = out.to_local() if bw.saves_output else None
     versions = tuple((t, t._version) for t in operands if hasattr(t, "_version")) if bw.saves_inputs else ()
@@ -113,7 +116,7 @@ def record_op(op: str, mesh_placements: tuple[Placement, ...], prepared_specs: S
         for k, p in enumerate(out_spec.placements):
             if isinstance(p, Partial) and p.reduce_op not in DIFFERENTIABLE_PARTIALS:
                 raise no_gradient(op, p, k)
-        local_grads = bw.kernel(grad.to_local(), saved_inputs, saved_out, params, xp)
+        local_grads = bw.kernel(grad.to_local(), saved_inputs, saved_out, kernel_params, xp)
         results: list[DTensor | None] = []
         for i, spec in enumerate(specs):
             gi = local_grads[i] if spec is not None else None

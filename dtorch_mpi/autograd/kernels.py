@@ -10,11 +10,13 @@ Kernels never communicate: placements are the business of ``rules.py``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from .rules import pattern_text
 
 Kernel = Callable[[Any, tuple[Any, ...], Any, dict[str, Any], Any], tuple[Any, ...]]
 
@@ -28,6 +30,17 @@ class Backward:
     saves_output: bool = False
     formula: str = ""
     """The gradient in words, shown by ``signature()``."""
+
+    def describe(self, rules: Sequence[Any]) -> list[str]:
+        """Lines for ``signature()``: the local gradient and, per forward rule, the placement of
+        each input's gradient (derived by autograd/rules.py)."""
+        lines = [f"gradient: {self.formula}"] if self.formula else []
+        for rule in rules:
+            grads = ", ".join(pattern_text(p.kind, p.arg, rule.output.kind, rule.output.arg, i in rule.slices)
+                              for i, p in enumerate(rule.inputs))
+            head = f"({', '.join(map(repr, rule.inputs))}) -> {rule.output!r}"
+            lines.append(f"{head}   grads: ({grads})")
+        return lines
 
 
 def _unary(formula: str, fn: Callable[[Any, Any, Any, Any], Any], *, inputs: bool = True,
@@ -170,7 +183,7 @@ def _expand(g: Any, p: dict[str, Any]) -> Any:
     """``g`` of a reduction with its reduced dims put back (size 1) when keepdim was False."""
     if p["keepdim"]:
         return g
-    for axis in p["axes"]:
+    for axis in p["dim"]:
         g = g.reshape(g.shape[:axis] + (1,) + g.shape[axis:])
     return g
 
@@ -178,15 +191,15 @@ def _expand(g: Any, p: dict[str, Any]) -> Any:
 def _extreme(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any]:
     x = xs[0]
     mask = x == _expand(out, p)
-    count = xp.sum(mask, axis=p["axes"], keepdims=True)
+    count = xp.sum(mask, axis=p["dim"], keepdims=True)
     return (_expand(g, p) * mask / count,)
 
 
 REDUCTIONS: dict[str, Backward] = {
-    "sum": Backward(lambda g, xs, out, p, xp: (xp.broadcast_to(_expand(g, p), p["in_shape"]),),
+    "sum": Backward(lambda g, xs, out, p, xp: (xp.broadcast_to(_expand(g, p), p["in_shapes"][0]),),
                     False, False, "g broadcast over the reduced dims"),
     "mean": Backward(lambda g, xs, out, p, xp: (
-        xp.broadcast_to(_expand(g, p) / p["count"], p["in_shape"]),), False, False,
+        xp.broadcast_to(_expand(g, p) / _count(p), p["in_shapes"][0]),), False, False,
         "g / n broadcast over the reduced dims (n: the global count)"),
     "max": Backward(_extreme, True, True, "g shared by the maxima (split on ties)"),
     "min": Backward(_extreme, True, True, "g shared by the minima (split on ties)"),
@@ -195,19 +208,22 @@ REDUCTIONS: dict[str, Backward] = {
 }
 
 SOFTMAX = Backward(lambda g, xs, out, p, xp: (
-    out * (g - xp.sum(g * out, axis=p["axis"], keepdims=True)),), False, True,
+    out * (g - xp.sum(g * out, axis=p["dim"], keepdims=True)),), False, True,
     "y (g - sum(g y))")
 LOG_SOFTMAX = Backward(lambda g, xs, out, p, xp: (
-    g - xp.exp(out) * xp.sum(g, axis=p["axis"], keepdims=True),), False, True,
+    g - xp.exp(out) * xp.sum(g, axis=p["dim"], keepdims=True),), False, True,
     "g - exp(y) sum(g)")
+CUMSUM = Backward(lambda g, xs, out, p, xp: (
+    xp.flip(xp.cumsum(xp.flip(g, axis=p["dim"]), axis=p["dim"]), axis=p["dim"]),), False, False,
+    "reversed cumulative sum of g")
 PERMUTE = Backward(lambda g, xs, out, p, xp: (xp.transpose(g, np.argsort(p["perm"])),), False, False,
                    "g permuted back")
-RESHAPE = Backward(lambda g, xs, out, p, xp: (g.reshape(p["in_local_shape"]),), False, False,
+RESHAPE = Backward(lambda g, xs, out, p, xp: (g.reshape(p["in_shapes"][0]),), False, False,
                    "g reshaped back")
 
 
 def _getitem(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any]:
-    grad = xp.zeros(p["in_local_shape"], dtype=g.dtype)
+    grad = xp.zeros(p["in_shapes"][0], dtype=g.dtype)
     grad[p["key"]] = g
     return (grad,)
 
@@ -216,25 +232,29 @@ GETITEM = Backward(_getitem, False, False, "g placed at the indexed positions, z
 
 
 def _cat(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any, ...]:
-    bounds = np.cumsum(p["sizes"])[:-1]
-    return tuple(xp.split(g, bounds, axis=p["axis"]))
+    bounds = np.cumsum([shape[p["dim"]] for shape in p["in_shapes"]])[:-1]
+    return tuple(xp.split(g, bounds, axis=p["dim"]))
 
 
 def _stack(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any, ...]:
-    return tuple(xp.take(g, i, axis=p["axis"]) for i in range(p["count"]))
+    return tuple(xp.take(g, i, axis=p["dim"]) for i in range(len(p["in_shapes"])))
+
+
+def _count(p: dict[str, Any]) -> int:
+    """The global number of elements a reduction combined (its input spec's reduced dims)."""
+    shape = p["in_specs"][0].shape
+    return math.prod(shape[d] for d in p["dim"])
 
 
 CAT = Backward(_cat, False, False, "g split along the joined dim")
 STACK = Backward(_stack, False, False, "g taken along the new dim")
 
 
-def backward_of(op: str) -> Backward | None:
-    """The backward of operator ``op`` (None: not differentiable, e.g. comparisons)."""
-    return (UNARY.get(op) or BINARY.get(op) or REDUCTIONS.get(op) or OTHER.get(op))
-
-
 OTHER: dict[str, Backward] = {
     "where": WHERE, "astype": ASTYPE, "matmul": MATMUL, "softmax": SOFTMAX,
-    "log_softmax": LOG_SOFTMAX, "transpose": PERMUTE, "reshape": RESHAPE, "getitem": GETITEM,
-    "cat": CAT, "stack": STACK,
+    "log_softmax": LOG_SOFTMAX, "cumsum": CUMSUM, "transpose": PERMUTE, "reshape": RESHAPE,
+    "getitem": GETITEM, "cat": CAT, "stack": STACK,
 }
+BACKWARDS: dict[str, Backward] = {**UNARY, **BINARY, **REDUCTIONS, **OTHER}
+"""Every differentiable operator's backward by operator name (ops/catalog.py attaches them to
+the declarations; comparisons, logical/bitwise ops and argmax/argmin have none)."""

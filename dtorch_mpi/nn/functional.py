@@ -15,7 +15,7 @@ import numpy as np
 from .. import factory
 from ..dtensor import DTensor
 from ..errors import PlacementError
-from ..ops.functions import log_softmax, softmax
+from ..ops.catalog import log_softmax, softmax
 from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute import array_namespace
 from ..spec import DTensorSpec

@@ -15,9 +15,9 @@ from typing import Any
 from ..errors import MeshMismatchError, PlacementError
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
-from ..redistribute import CompiledPlan, compile_plan, run_compiled
+from ..redistribute import CompiledPlan, compile_plan
 from ..spec import DTensorSpec
-from .signature import DimMap, Signature, match_mesh_dim
+from .signature import DimMap, Rule, Signature, match_mesh_dim
 
 INFERENCE_CACHE_SIZE = 4096
 """Bound of every inference cache (PyTorch's is unbounded and grows every step)."""
@@ -35,9 +35,13 @@ class OpPlan:
     """Per input: a zero-communication plan of slices to apply to its local piece (or None)."""
     reduced_sharded: bool = False
     xp: Any = None
+    rules: tuple[Rule, ...] = ()
+    """The rule matched on each mesh dim (one per mesh dim)."""
+    kernel: Any = None
+    """The op's local kernel for this plan's array library (set by the plan cache)."""
+    aux: Any = None
+    """What the planner derived for the kernel beyond placements (e.g. getitem's full key)."""
     out_specs: dict = field(default_factory=dict, compare=False, hash=False)
-    resolved: dict = field(default_factory=dict, compare=False, hash=False)
-    """The op's local function for this plan's array library, resolved on first use."""
     """Output spec per result dtype, reused across calls (its hash is computed once)."""
 
     def out_spec(self, dtype: Any) -> DTensorSpec:
@@ -76,6 +80,7 @@ def infer(
         list(s.placements) if s is not None else None for s in specs
     ]
     reduced_sharded = False
+    rules: list[Rule] = []
     for k in range(mesh.ndim):
         per_dim = [s.placements[k] if s is not None else None for s in specs]
         m = match_mesh_dim(sig, per_dim, dmap)
@@ -86,6 +91,7 @@ def infer(
         if any(p.kind == "S" and p.arg == "r" for p in m.rule.inputs):
             reduced_sharded = True
         out.append(m.output)
+        rules.append(m.rule)
         for i, d in m.slice_to:
             target = targets[i]
             assert target is not None
@@ -101,12 +107,7 @@ def infer(
     from ..redistribute import array_namespace
 
     return OpPlan(mesh, tuple(out), out_shape, tuple(prepare), reduced_sharded,
-                  array_namespace(mesh.device_type))
-
-
-def prepared(local: Any, plan: CompiledPlan | None) -> Any:
-    """Apply a plan's local slices (never communication) to an input piece."""
-    return local if plan is None else run_compiled(local, plan)
+                  array_namespace(mesh.device_type), tuple(rules))
 
 
 def placement_error(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..placement import Partial, Placement, Replicate, Shard
 
@@ -78,6 +78,8 @@ class Signature:
     rules: tuple[Rule, ...]
     doc: str = ""
     aliases: tuple[str, ...] = field(default=())
+    backward: Any = field(default=None, compare=False)
+    """The operator's backward rule when declared (shown by ``table()``); see ops/registry.py."""
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(self.rules)
@@ -89,6 +91,9 @@ class Signature:
         lines = [f"{self.op}:"] + [f"  {r!r}" for r in self.rules]
         if self.doc:
             lines.append(f"  note: {self.doc}")
+        if self.backward is not None:
+            lines.append("  backward:")
+            lines += [f"    {line}" for line in self.backward.describe(self.rules)]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

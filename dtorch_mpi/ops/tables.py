@@ -1,4 +1,4 @@
-"""Every operator's placement signature, declared as data (docs/signatures.md is made from it).
+"""The operators' placement signatures as data (ops/catalog.py declares each op with its table).
 
 Rules are per mesh dim. ``Shard(d)``: sharded on a dim that survives into the output (``d``
 in output coordinates); ``Shard(r)``: sharded on a dim the op reduces away; ``Shard(-1)``,
@@ -153,13 +153,6 @@ OTHER: dict[str, Signature] = {
         "n inputs with equal placements (shown for two); the new dim is unsharded"),
 }
 
-SIGNATURES: dict[str, Signature] = {**UNARY, **BINARY, "where": WHERE, **OTHER}
-ALIASES = {"permute": "transpose", "swapaxes": "transpose", "T": "transpose", "view": "reshape",
-           "flatten": "reshape", "squeeze": "reshape", "unsqueeze": "reshape", "divide": "truediv",
-           "multiply": "mul", "subtract": "sub", "negative": "neg", "power": "pow",
-           "floor_divide": "floordiv", "remainder": "mod", "__getitem__": "getitem"}
-
-
 def nary(sig: Signature, n: int) -> Signature:
     """``cat``/``stack`` rules for ``n`` inputs (the table shows two)."""
     rules = []
@@ -168,12 +161,4 @@ def nary(sig: Signature, n: int) -> Signature:
     return Signature(sig.op, tuple(rules), sig.doc)
 
 
-def signature(name: str) -> Signature:
-    """The placement signature (rule table) of operator ``name``."""
-    key = ALIASES.get(name, name)
-    if key not in SIGNATURES:
-        raise KeyError(f"no operator named {name!r}; known: {', '.join(sorted(SIGNATURES))}")
-    return SIGNATURES[key]
-
-
-__all__ = ["ALIASES", "SIGNATURES", "Pat", "nary", "shard_rules", "signature"]
+__all__ = ["BINARY", "OTHER", "UNARY", "WHERE", "Pat", "nary", "shard_rules"]
