@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .dtypes import check_dtype, dtype_code
+from .dtypes import check_dtype, dtype_code, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Placement, Replicate, Shard, normalize_placements
@@ -230,7 +230,7 @@ def _as_local(local: Any, mesh: DeviceMesh) -> Any:
         )
     if mesh.device_type == "cuda" and not isinstance(local, xp.ndarray):
         raise TypeError(f"a 'cuda' mesh holds cupy.ndarray pieces, got {type(local).__name__}")
-    return local
+    return to_native(local)
 
 
 def _from_local_checked(
@@ -311,7 +311,7 @@ def _from_local_checked(
             f"{list(plc)}: " + "; ".join(bad)
             + ". Pieces must follow the balanced split rule (see compute_local_shape_and_offset)"
         )
-    return DTensor(local, DTensorSpec(mesh, plc, global_shape, check_dtype(local.dtype)))
+    return DTensor(xp_local, DTensorSpec(mesh, plc, global_shape, check_dtype(xp_local.dtype)))
 
 
 def _derive_global_shape(

@@ -12,7 +12,7 @@ from mpi4py import MPI
 from . import random as _random
 from .comm.counter import record
 from .dtensor import DTensor
-from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value
+from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, normalize_placements
@@ -197,6 +197,7 @@ def distribute_tensor(
         try:
             if not hasattr(array, "shape") or not hasattr(array, "dtype"):
                 raise TypeError(f"distribute_tensor needs an array, got {type(array).__name__}")
+            array = to_native(array)
             if array.ndim > MAX_NDIM:
                 raise ShapeMismatchError(f"arrays of more than {MAX_NDIM} dims are not supported")
             meta[1], meta[2] = array.ndim, dtype_code(array.dtype)

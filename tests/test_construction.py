@@ -166,3 +166,42 @@ def test_factory_errors(mesh1d: dt.DeviceMesh) -> None:
         dt.zeros(-1, device_mesh=mesh1d)
     with pytest.raises(TypeError, match="device_mesh"):
         dt.ones(3)
+
+
+NON_NATIVE = [np.dtype(">f4"), np.dtype(">f8"), np.dtype(">i4"), np.dtype(">c8")]
+"""Non-native byte orders (on this little-endian machine): converted to native on entry."""
+
+
+@pytest.mark.parametrize("dtype", NON_NATIVE, ids=str)
+def test_non_native_byte_order_is_converted_on_entry(mesh1d: dt.DeviceMesh, check: Checker,
+                                                     dtype: np.dtype) -> None:
+    native = dtype.newbyteorder("=")
+    for n in lengths_for(SIZE):
+        full = reference((n, 3), native, seed=n)
+        swapped = full.astype(dtype)
+        for placements in ([dt.Shard(0)], [dt.Replicate()], [dt.Partial("sum")]):
+            for src in (0, None):
+                x = dt.distribute_tensor(swapped, mesh1d, placements, src_data_rank=src)
+                what = f"distribute_tensor {dtype} {placements} src={src} n={n}"
+                check.true(x.dtype == native and x.to_local().dtype == native, f"{what}: dtype")
+                check.equal(x.to_torch(), full, what)
+            piece = expected_piece(full, mesh1d, placements).astype(dtype)
+            y = dt.DTensor.from_local(piece, mesh1d, placements)
+            check.true(y.to_local().dtype == native, f"from_local {dtype}: piece dtype")
+            check.equal(y.to_torch(), full, f"from_local {dtype} {placements} n={n}")
+            z = dt.DTensor.from_local(piece, mesh1d, placements, shape=full.shape)
+            check.equal(z.to_torch(), full, f"trusted from_local {dtype} {placements} n={n}")
+    f = dt.full((5,), 2, dtype=dtype, device_mesh=mesh1d, placements=[dt.Partial()])
+    check.true(f.dtype == native and f.to_local().dtype == native, "factory dtype")
+    check.equal(f.to_torch(), np.full(5, 2, native), "full with a non-native dtype")
+    check.done()
+
+
+def test_load_state_dict_converts_non_native_values(mesh1d: dt.DeviceMesh) -> None:
+    model = dt.nn.Linear(3, 2 * SIZE + 1, device_mesh=mesh1d, dtype=np.float64)
+    dt.parallelize_module(model, mesh1d, dt.ColwiseParallel())
+    weight, bias = reference((2 * SIZE + 1, 3)), reference((2 * SIZE + 1,), seed=1)
+    model.load_state_dict({"weight": weight.astype(">f8"), "bias": bias.astype(">f4")})
+    assert model.weight.to_local().dtype == np.float64
+    assert np.array_equal(model.weight.to_torch(), weight)
+    assert np.allclose(model.bias.to_torch(), bias.astype(np.float32))
