@@ -192,15 +192,15 @@ class DTensor:
         of shapes), and the pieces are checked against the split rule. ``run_check=True``
         checks the pieces (shapes, dtype, ndim) against ``shape`` the same way. A failed check
         raises the same ``ShapeMismatchError``/``DTypeMismatchError`` on every rank.
-        ``shape`` given and ``run_check=False``: no communication; the pieces are trusted.
+        ``shape`` given and ``run_check=False``: no communication. This rank's piece is still
+        checked against the split rule (locally, for free); a wrong piece raises
+        ``ShapeMismatchError`` on the ranks that hold one only (no collective has started, so
+        none is left waiting here; the abort-on-exception hook ends the job if it goes
+        uncaught). ``run_check=True`` makes the same check an agreed error on every rank.
         """
         mesh = device_mesh
         if shape is not None and not run_check:
-            xp_local = _as_local(local, mesh)
-            dtype = check_dtype(xp_local.dtype)
-            global_shape = tuple(int(s) for s in shape)
-            plc = normalize_placements(placements, mesh.ndim, len(global_shape))
-            return DTensor(xp_local, DTensorSpec(mesh, plc, global_shape, dtype))
+            return _from_local_trusted(local, mesh, placements, shape)
         return _from_local_checked(local, mesh, placements, shape)
 
 
@@ -231,6 +231,30 @@ def _as_local(local: Any, mesh: DeviceMesh) -> Any:
     if mesh.device_type == "cuda" and not isinstance(local, xp.ndarray):
         raise TypeError(f"a 'cuda' mesh holds cupy.ndarray pieces, got {type(local).__name__}")
     return to_native(local)
+
+
+def _from_local_trusted(
+    local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+) -> DTensor:
+    """``shape`` given, no check across ranks: this rank's piece must fit the split rule."""
+    xp_local = _as_local(local, mesh)
+    dtype = check_dtype(xp_local.dtype)
+    global_shape = tuple(int(s) for s in shape)
+    if len(global_shape) != xp_local.ndim:
+        raise ShapeMismatchError(
+            f"shape={global_shape} has {len(global_shape)} dims but the local piece has {xp_local.ndim}"
+        )
+    plc = _normalized(placements, mesh.ndim, len(global_shape))
+    spec = DTensorSpec(mesh, plc, global_shape, dtype)
+    coord = mesh.get_coordinate()
+    if coord is not None and tuple(xp_local.shape) != spec.local_shape:
+        raise ShapeMismatchError(
+            f"from_local(shape={global_shape}, placements={list(plc)}): this rank (coordinate "
+            f"{coord}) holds a piece of shape {tuple(xp_local.shape)}, the split rule gives "
+            f"{spec.local_shape}. Checked on this rank only (shape given, run_check=False); pass "
+            f"run_check=True to check every rank's piece with one error on every rank"
+        )
+    return DTensor(xp_local, spec)
 
 
 def _from_local_checked(

@@ -205,3 +205,19 @@ def test_load_state_dict_converts_non_native_values(mesh1d: dt.DeviceMesh) -> No
     assert model.weight.to_local().dtype == np.float64
     assert np.array_equal(model.weight.to_torch(), weight)
     assert np.allclose(model.bias.to_torch(), bias.astype(np.float32))
+
+
+def test_trusted_from_local_checks_this_ranks_piece(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
+    # shape given, run_check=False: no communication, but a piece off the split rule raises
+    # (a one-element piece claiming a 6-long Shard(0) would otherwise be read past its end)
+    for mesh in (mesh1d, mesh2d):
+        for n in lengths_for(mesh.size()):
+            placements = [dt.Shard(0)] * mesh.ndim
+            good = np.zeros(dt.compute_local_shape_and_offset((n, 2), mesh, placements)[0])
+            with dt.CommCounter() as counter:
+                dt.DTensor.from_local(good, mesh, placements, shape=(n, 2))
+                with pytest.raises(dt.ShapeMismatchError, match=r"this rank \(coordinate .*split rule gives"):
+                    dt.DTensor.from_local(np.zeros((good.shape[0] + 1, 2)), mesh, placements, shape=(n, 2))
+                with pytest.raises(dt.ShapeMismatchError, match="has 1 dims but the local piece has 2"):
+                    dt.DTensor.from_local(good, mesh, placements, shape=(n,))
+            assert counter.count == 0
