@@ -230,8 +230,10 @@ def distribute_tensor(
     index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
     op = _partial_fill(mesh, plc)
     if src_data_rank is None:
-        local = xp.array(array[index], copy=True) if op is None else xp.full(local_shape, identity_value(dt, op), dt)
-        return DTensor(xp.ascontiguousarray(local), spec)
+        # xp.array keeps a 0-d value 0-d (ascontiguousarray would make it 1-d)
+        local = (xp.array(array[index], dtype=dt, order="C", copy=True) if op is None
+                 else xp.full(local_shape, identity_value(dt, op), dt))
+        return DTensor(local, spec)
     local = xp.zeros(local_shape, dtype=dt) if op is None else xp.full(local_shape, identity_value(dt, op), dt)
     _send_pieces(array, local, mesh, plc, shape, src_data_rank, me, xp)
     return DTensor(local, spec)
@@ -251,7 +253,7 @@ def _send_pieces(
         for c in (tuple(int(v) for v in np.unravel_index(r, mesh.shape)) for r in range(comm.Get_size()))
     ]
     if me == root:
-        src = np.ascontiguousarray(array.get() if hasattr(array, "get") else array)
+        src = np.asarray(array.get() if hasattr(array, "get") else array, order="C")  # 0-d stays 0-d
         requests, types, sent = [], [], 0
         for r in range(comm.Get_size()):
             if not needs[r]:

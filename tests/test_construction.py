@@ -23,7 +23,7 @@ def placements_2d() -> list[list[dt.Placement]]:
 
 def expected_piece(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
     shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
-    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))]
+    piece = full[(*(slice(o, o + n) for o, n in zip(off, shape)), ...)]  # 0-d stays an array
     coord = mesh.get_coordinate()
     for k, p in enumerate(placements):  # SPEC: the value at coordinate 0, the identity elsewhere
         if isinstance(p, dt.Partial) and p.reduce_op != "avg" and coord[k] != 0:
@@ -221,3 +221,44 @@ def test_trusted_from_local_checks_this_ranks_piece(mesh1d: dt.DeviceMesh, mesh2
                 with pytest.raises(dt.ShapeMismatchError, match="has 1 dims but the local piece has 2"):
                     dt.DTensor.from_local(good, mesh, placements, shape=(n,))
             assert counter.count == 0
+
+
+ZERO_D_PLACEMENTS = [[dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")], [dt.Partial("avg")]]
+
+
+def test_zero_d_through_every_constructor(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    value = np.array(3.5)
+    for mesh in (mesh1d, mesh2d):
+        for single in ZERO_D_PLACEMENTS:
+            placements = single * mesh.ndim
+            what = f"0-d {mesh.shape} {placements}"
+            for src in (0, None, SIZE - 1):
+                x = dt.distribute_tensor(value if src in (None, RANK) else None, mesh, placements, src_data_rank=src)
+                check.true(x.shape == () and x.to_local().shape == (), f"{what} src={src}: {x.to_local().shape}")
+                check.equal(x.to_torch(), value, f"{what} distribute_tensor src={src}")
+            piece = expected_piece(value, mesh, placements)
+            for kwargs in ({}, {"shape": ()}, {"shape": (), "run_check": True}):
+                y = dt.DTensor.from_local(piece.copy(), mesh, placements, **kwargs)  # type: ignore[arg-type]
+                check.true(y.shape == () and y.to_local().shape == (), f"{what} from_local {kwargs}")
+                check.equal(y.to_torch(), value, f"{what} from_local {kwargs}")
+            for name, make, want in (("zeros", lambda **kw: dt.zeros(**kw), np.zeros(())),
+                                     ("full", lambda **kw: dt.full((), 3.5, **kw), value),
+                                     ("rand", lambda **kw: dt.rand(**kw), None)):
+                z = make(dtype=np.float64, device_mesh=mesh, placements=placements)
+                check.true(z.to_local().shape == (), f"{what} {name} piece shape")
+                got = z.to_torch()
+                check.true(got.shape == () and (want is None or got == want), f"{what} {name}: {got}")
+    check.done()
+
+
+def test_zero_d_round_trips_through_partial(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    value = np.array(-2.25)
+    for mesh in (mesh1d, mesh2d):
+        x = dt.distribute_tensor(value, mesh, [dt.Replicate()] * mesh.ndim)
+        for op in ("sum", "avg", "max", "min"):
+            p = x.redistribute(placements=[dt.Partial(op)] * mesh.ndim)
+            check.equal(p.to_torch(), value, f"0-d R->P({op}) {mesh.shape}")
+            r = p.redistribute(placements=[dt.Replicate()] * mesh.ndim)
+            check.true(r.to_local().shape == (), f"0-d P({op})->R piece shape")
+            check.equal(r.to_local(), value, f"0-d R->P({op})->R {mesh.shape}")
+    check.done()
