@@ -80,7 +80,10 @@ def reduction_op(dtype: np.dtype, reduce_op: str) -> MPI.Op:
     if dt == np.bool_:
         return {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "avg": MPI.LOR}[reduce_op]
     if dt.kind == "c" and reduce_op in ("max", "min"):
-        raise DTypeMismatchError(f"Partial({reduce_op!r}) is undefined for complex dtype {dt}")
+        raise DTypeMismatchError(
+            f"Partial({reduce_op!r}) is undefined for complex dtype {dt} (complex numbers have no "
+            f"order); use Partial('sum') or Partial('avg'), or reduce a real quantity such as abs()"
+        )
     return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[reduce_op]
 
 

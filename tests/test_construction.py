@@ -262,3 +262,81 @@ def test_zero_d_round_trips_through_partial(mesh1d: dt.DeviceMesh, mesh2d: dt.De
             check.true(r.to_local().shape == (), f"0-d P({op})->R piece shape")
             check.equal(r.to_local(), value, f"0-d R->P({op})->R {mesh.shape}")
     check.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_distribute_tensor_agrees_its_arguments(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    full = reference((2 * SIZE + 1, 5))
+    with pytest.raises(dt.SPMDDivergenceError, match=r"placements: rank 0: \[Shard\(dim=0\)\]; rank 1: \[Shard\(dim=1\)\]"):
+        dt.distribute_tensor(full, mesh1d, [dt.Shard(0) if RANK == 0 else dt.Shard(1)])
+    with pytest.raises(dt.SPMDDivergenceError, match="src_data_rank: rank 0: 0; rank 1: 1"):
+        dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=min(RANK, 1))
+    with pytest.raises(dt.SPMDDivergenceError, match="src_data_rank: rank 0: None; rank 1: 0"):
+        dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=None if RANK == 0 else 0)
+    with pytest.raises(ValueError, match=f"src_data_rank={SIZE} is not a rank"):
+        dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=SIZE if RANK == 1 else 0)
+    # nothing was left queued: the next, correct calls get the right data
+    for src in (0, 1, None):
+        x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=src)
+        check.equal(x.to_torch(), full, f"after the divergent calls, src={src}")
+    # the same placements spelled differently are the same placements
+    y = dt.distribute_tensor(full, mesh1d, [dt.Shard(-1) if RANK == 0 else dt.Shard(1)])
+    check.equal(y.to_torch(), full, "Shard(-1) on rank 0, Shard(1) elsewhere")
+    check.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_from_local_agrees_placements(mesh1d: dt.DeviceMesh) -> None:
+    piece = np.ones((2, 3))
+    for kwargs in ({}, {"shape": (2, 3), "run_check": True}):
+        with pytest.raises(dt.SPMDDivergenceError, match=r"from_local: ranks disagree on placements: rank 0: \[Replicate\(\)\]"):
+            dt.DTensor.from_local(piece, mesh1d, [dt.Replicate() if RANK == 0 else dt.Partial()], **kwargs)  # type: ignore[arg-type]
+    x = dt.DTensor.from_local(piece, mesh1d, [dt.Shard(-1) if RANK == 0 else dt.Shard(1)])
+    assert x.shape == (2, 3 * SIZE)
+
+
+TOO_BIG = 2**63
+
+
+def test_shapes_beyond_numpys_limit_raise_clearly(mesh1d: dt.DeviceMesh) -> None:
+    for make in (lambda: dt.zeros(TOO_BIG, device_mesh=mesh1d),
+                 lambda: dt.full((2**40, 2**40), 1.0, device_mesh=mesh1d),
+                 lambda: dt.DTensor.from_local(np.zeros(1), mesh1d, [dt.Shard(0)], shape=(TOO_BIG,)),
+                 lambda: dt.DTensor.from_local(np.zeros(1), mesh1d, [dt.Shard(0)], shape=(TOO_BIG,), run_check=True)):
+        with pytest.raises(dt.ShapeMismatchError, match=r"at most 2\*\*63 - 1"):
+            make()
+    with pytest.raises(TypeError, match="a shape holds ints"):
+        dt.zeros(2.5, device_mesh=mesh1d)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_complex_partial_max_min_is_refused_at_creation(mesh1d: dt.DeviceMesh, op: str) -> None:
+    plc = [dt.Partial(op)]
+    z = np.ones(3, np.complex64)
+    for make in (lambda: dt.zeros(3, dtype=np.complex64, device_mesh=mesh1d, placements=plc),
+                 lambda: dt.distribute_tensor(z, mesh1d, plc),
+                 lambda: dt.distribute_tensor(z, mesh1d, plc, src_data_rank=None),
+                 lambda: dt.DTensor.from_local(z, mesh1d, plc),
+                 lambda: dt.DTensor.from_local(z, mesh1d, plc, shape=(3,))):
+        with pytest.raises(dt.DTypeMismatchError, match=rf"Partial\('{op}'\) is undefined for complex"):
+            make()
+    assert dt.zeros(3, dtype=np.complex64, device_mesh=mesh1d, placements=[dt.Partial()]).to_torch().sum() == 0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_distribute_tensor_outside_the_mesh_gives_empty_pieces(check: Checker) -> None:
+    full = reference((5, 3))
+    with dt.DeviceMesh("cpu", [0]) as mesh:
+        for src in (0, None):
+            for placements in ([dt.Shard(0)], [dt.Replicate()], [dt.Partial()]):
+                x = dt.distribute_tensor(full, mesh, placements, src_data_rank=src)
+                what = f"{placements} src={src}"
+                check.true(x.shape == (5, 3) and x.dtype == full.dtype, f"{what}: metadata")
+                if RANK == 0:
+                    check.equal(x.to_torch(), full, what)
+                else:
+                    check.true(x.to_local().size == 0 and x.to_torch() is None, f"{what}: outside piece")
+        if RANK != 0:
+            with pytest.raises(dt.MeshMismatchError, match="not in .* pass the array"):
+                dt.distribute_tensor(None, mesh, [dt.Shard(0)])
+    check.done()
