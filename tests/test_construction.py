@@ -337,6 +337,6 @@ def test_distribute_tensor_outside_the_mesh_gives_empty_pieces(check: Checker) -
                 else:
                     check.true(x.to_local().size == 0 and x.to_torch() is None, f"{what}: outside piece")
         if RANK != 0:
-            with pytest.raises(dt.MeshMismatchError, match="not in .* pass the array"):
+            with pytest.raises(dt.MeshMismatchError, match=r"not in .* pass the array"):
                 dt.distribute_tensor(None, mesh, [dt.Shard(0)])
     check.done()
