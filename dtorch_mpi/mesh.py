@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from . import abort
 from ._mpi import library_world, node_local_rank
 from .errors import MeshMismatchError
 from .spmd import require_same
@@ -25,6 +26,7 @@ class DeviceMesh:
     ``get_group(k)`` is the communicator of the ranks that differ only in mesh dim ``k``;
     the communicators are built once here (``Split``) and released by ``free()`` (collective),
     never by the garbage collector. A rank outside the mesh has ``get_coordinate() is None``.
+    The first mesh installs the abort-on-exception hook (:mod:`dtorch_mpi.abort`).
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class DeviceMesh:
         *,
         mesh_dim_names: Sequence[str] | None = None,
     ) -> None:
+        abort.install()  # an uncaught exception on one rank now ends the job (see abort.py)
         world = library_world()
         problem: Exception | None = None
         try:
