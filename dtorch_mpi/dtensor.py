@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._mpi import library_world
+from .comm.config import spmd_debug
 from .dtypes import check_dtype, dtype_code, dtype_from_code, reduction_op, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
@@ -17,7 +19,7 @@ from .placement import Partial, Placement, Replicate, Shard, normalize_placement
 from .redistribute import CompiledHandle, array_namespace, compile_plan, run_compiled
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
-from .spmd import MAX_NDIM, fingerprint, gather_records, require_same_columns
+from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
 
 
 @lru_cache(maxsize=1024)
@@ -196,9 +198,12 @@ class DTensor:
         ``ShapeMismatchError`` on the ranks that hold one only (no collective has started, so
         none is left waiting here; the abort-on-exception hook ends the job if it goes
         uncaught). ``run_check=True`` makes the same check an agreed error on every rank.
+        ``DTORCH_SPMD_DEBUG=1`` checks every call, and checks first that every world rank
+        makes it on the same mesh.
         """
         mesh = device_mesh
-        if shape is not None and not run_check:
+        debug_check_mesh(mesh, "from_local")
+        if shape is not None and not run_check and not spmd_debug():
             return _from_local_trusted(local, mesh, placements, shape)
         return _from_local_checked(local, mesh, placements, shape)
 
@@ -264,8 +269,22 @@ def make_spec(mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[
 
 
 def mesh_name(mesh: DeviceMesh) -> str:
-    """How a divergence message names a mesh (two meshes over the same ranks differ in serial)."""
-    return f"{mesh!r} (serial {mesh.identity[1]})"
+    """How ranks compare and name a mesh: the same text on every rank for one (sub-)mesh, and
+    different for two meshes built separately over the same ranks (their serials differ)."""
+    return f"{mesh.device_type} mesh of shape {mesh.shape}, serial {mesh.identity}"
+
+
+def debug_check_mesh(mesh: DeviceMesh, call: str) -> None:
+    """``DTORCH_SPMD_DEBUG=1``: every world rank makes ``call`` on the same mesh.
+
+    Over the library's world, ranks outside the mesh included: ranks passing different meshes
+    would otherwise wait in collectives on different communicators, which no check on the
+    mesh's own communicator can see. So in debug mode every world rank must make the call (as
+    every rank of an SPMD program does).
+    """
+    if spmd_debug():
+        require_same(library_world(), {"call": call, "mesh": mesh_name(mesh)},
+                     what=f"{call} (DTORCH_SPMD_DEBUG=1)")
 
 
 def _from_local_trusted(
@@ -316,7 +335,7 @@ def _from_local_checked(
         if xp_local.ndim > MAX_NDIM:
             raise ShapeMismatchError(f"pieces have {xp_local.ndim} dims; at most {MAX_NDIM} are supported")
         row[_FL_PLACEMENTS] = fingerprint(_normalized(placements, mesh.ndim, xp_local.ndim))
-        row[_FL_MESH] = fingerprint(mesh.identity)
+        row[_FL_MESH] = fingerprint(mesh_name(mesh))
         row[_FL_NDIM] = xp_local.ndim
         row[_FL_DTYPE] = dtype_code(xp_local.dtype)
         row[_FL_SHAPE : _FL_SHAPE + xp_local.ndim] = xp_local.shape

@@ -11,8 +11,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import random as _random
+from .comm.config import spmd_debug
 from .comm.counter import record
-from .dtensor import DTensor, checked_shape, make_spec, mesh_name
+from .dtensor import DTensor, checked_shape, debug_check_mesh, make_spec, mesh_name
 from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
@@ -135,7 +136,7 @@ def rand(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     _require_float(dt, "rand")
     dims = _parse_shape(shape)
-    key = _random.next_key()
+    key = _random_key(mesh, "rand")
     return _build(dims, dt, mesh, plc,
                   lambda s, o, xp: _random.uniform(key, dims, s, o, dt, xp))
 
@@ -146,9 +147,19 @@ def randn(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     _require_float(dt, "randn")
     dims = _parse_shape(shape)
-    key = _random.next_key()
+    key = _random_key(mesh, "randn")
     return _build(dims, dt, mesh, plc,
                   lambda s, o, xp: _random.normal(key, dims, s, o, dt, xp))
+
+
+def _random_key(mesh: DeviceMesh, call: str) -> int:
+    """The next random key; with ``DTORCH_SPMD_DEBUG=1`` the ranks of the mesh first check that
+    their generator states (seed, calls so far) agree: a divergent ``manual_seed`` or an extra
+    random call on one rank would otherwise give silently different "global" values."""
+    if spmd_debug():
+        require_same(mesh.get_comm(), {"random state (seed, calls)": _random.state()},
+                     what=f"{call} (DTORCH_SPMD_DEBUG=1)")
+    return _random.next_key()
 
 
 def _require_float(dt: np.dtype, name: str) -> None:
@@ -180,6 +191,7 @@ def distribute_tensor(
     empty piece from ``array``'s shape and dtype without communicating.
     """
     mesh = device_mesh
+    debug_check_mesh(mesh, "distribute_tensor")
     if mesh.get_coordinate() is None:
         return _outside_the_mesh(array, mesh, placements)
     comm = mesh.get_comm()
@@ -188,7 +200,7 @@ def distribute_tensor(
     def fill(row: np.ndarray) -> None:
         nonlocal array
         row[_DT_SOURCE] = _NO_SOURCE if src_data_rank is None else operator.index(src_data_rank)
-        row[_DT_MESH] = fingerprint(mesh.identity)
+        row[_DT_MESH] = fingerprint(mesh_name(mesh))
         row[_DT_PLACEMENTS] = fingerprint(tuple(placements))
         if src_data_rank is not None and not 0 <= src_data_rank < size:
             raise ValueError(f"src_data_rank={src_data_rank} is not a rank of a mesh of {size} ranks")

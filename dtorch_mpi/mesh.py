@@ -122,9 +122,10 @@ class DeviceMesh:
 
     @property
     def identity(self) -> tuple[Any, ...]:
-        """Equal on every rank for one mesh (its construction serial; a sub-mesh adds its
-        parent's and the mesh dim); differs between meshes built separately over the same ranks."""
-        return (self._key, self._identity)
+        """Equal on every world rank for one mesh (its construction serial; a sub-mesh adds the
+        mesh dim to its parent's, so ``mesh["tp"]`` has one identity on every rank though its
+        ranks differ); differs between meshes built separately, even over the same ranks."""
+        return self._identity
 
     def get_coordinate(self) -> tuple[int, ...] | None:
         return self._coordinate

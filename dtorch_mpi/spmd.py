@@ -92,8 +92,9 @@ def fingerprint(value: object) -> int:
 def raise_divergence(comm: MPI.Intracomm, values: Mapping[str, object], what: str,
                      error: type[Exception] = SPMDDivergenceError) -> NoReturn:
     """Every rank calls this once all know that ``values`` differ between ranks: one exchange of
-    their reprs (each cut at 200 characters), then ``error`` naming each rank's value."""
-    mine = "\0".join(repr(v)[:200] for v in values.values())
+    their texts (a string as it is, anything else as its repr; each cut at 200 characters),
+    then ``error`` naming each rank's value."""
+    mine = "\0".join((v if isinstance(v, str) else repr(v))[:200] for v in values.values())
     reports = [r.decode("utf-8", "replace").split("\0") for r in _allgather_bytes(comm, mine.encode())]
     parts = [
         f"{name}: " + "; ".join(f"rank {r}: {rep[i]}" for r, rep in enumerate(reports))

@@ -60,6 +60,30 @@ def _bad_ck(kind: str) -> Callable[[dt.DeviceMesh], Any]:
     return run
 
 
+def _debug(make: Callable[[dt.DeviceMesh], Any]) -> Callable[[dt.DeviceMesh], Any]:
+    """The case run with DTORCH_SPMD_DEBUG=1."""
+    def run(mesh: dt.DeviceMesh) -> Any:
+        from dtorch_mpi.comm.config import set_spmd_debug, spmd_debug
+
+        before = spmd_debug()
+        set_spmd_debug(True)
+        try:
+            return make(mesh)
+        finally:
+            set_spmd_debug(before)
+    return run
+
+
+def _on_two_meshes(mesh: dt.DeviceMesh) -> Any:
+    with dt.DeviceMesh("cpu", list(range(SIZE))) as other:
+        return dt.distribute_tensor(np.zeros(4), mesh if RANK == 0 else other, [dt.Shard(0)])
+
+
+def _divergent_seed(mesh: dt.DeviceMesh) -> Any:
+    dt.manual_seed(RANK)
+    return dt.randn(4, device_mesh=mesh)
+
+
 CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = [
     # placements
     ("shard dim out of range", lambda m: _ones(m, 4, plc=[dt.Shard(2)]), dt.PlacementError, r"use a dim in \[-1, 0\]"),
@@ -108,6 +132,9 @@ CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = 
     ("complex Partial(min) distribute_tensor", lambda m: dt.distribute_tensor(np.ones(3, np.complex128), m, [dt.Partial("min")]), dt.DTypeMismatchError, r"Partial\('min'\) is undefined for complex"),
     ("complex Partial(max) from_local", lambda m: dt.DTensor.from_local(np.ones(3, np.complex64), m, [dt.Partial("max")]), dt.DTypeMismatchError, r"use Partial\('sum'\)"),
     ("complex Partial(max) trusted from_local", lambda m: dt.DTensor.from_local(np.ones(3, np.complex64), m, [dt.Partial("max")], shape=(3,)), dt.DTypeMismatchError, "undefined for complex"),
+    ("debug: trusted from_local with divergent placements", _debug(lambda m: dt.DTensor.from_local(np.zeros(1), m, [dt.Replicate() if RANK else dt.Partial()], shape=(1,))), dt.SPMDDivergenceError, "ranks disagree on placements"),
+    ("debug: ranks on different meshes", _debug(_on_two_meshes), dt.SPMDDivergenceError, r"distribute_tensor \(DTORCH_SPMD_DEBUG=1\): ranks disagree on mesh"),
+    ("debug: divergent manual_seed", _debug(_divergent_seed), dt.SPMDDivergenceError, r"ranks disagree on random state \(seed, calls\): rank 0: \(0, 0\); rank 1: \(1, 0\)"),
     # factories
     ("negative dim", lambda m: dt.zeros(-2, device_mesh=m), dt.ShapeMismatchError, "negative dimension"),
     ("randn of ints", lambda m: dt.randn(3, dtype=np.int64, device_mesh=m), dt.DTypeMismatchError, "floating-point"),
@@ -147,7 +174,8 @@ NEEDS_TWO_RANKS = {"from_local rank-divergent dtype", "from_local off the split 
                    "distribute_tensor divergent shapes", "distribute_tensor rank-divergent placements",
                    "distribute_tensor rank-divergent source", "distribute_tensor source out of range on one rank",
                    "from_local rank-divergent placements", "DeviceMesh invalid on one rank",
-                   "ranks pass different meshes"}
+                   "ranks pass different meshes", "debug: trusted from_local with divergent placements",
+                   "debug: ranks on different meshes", "debug: divergent manual_seed"}
 """Cases whose bad input only exists when ranks disagree."""
 
 

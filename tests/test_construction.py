@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -339,4 +340,51 @@ def test_distribute_tensor_outside_the_mesh_gives_empty_pieces(check: Checker) -
         if RANK != 0:
             with pytest.raises(dt.MeshMismatchError, match=r"not in .* pass the array"):
                 dt.distribute_tensor(None, mesh, [dt.Shard(0)])
+    check.done()
+
+
+@pytest.fixture
+def spmd_debug() -> Iterator[None]:
+    from dtorch_mpi.comm.config import set_spmd_debug
+    from dtorch_mpi.comm.config import spmd_debug as was_on
+
+    before = was_on()
+    set_spmd_debug(True)
+    try:
+        yield
+    finally:
+        set_spmd_debug(before)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_checks_trusted_from_local(mesh1d: dt.DeviceMesh, spmd_debug: None) -> None:
+    good = np.zeros(dt.compute_local_shape_and_offset((SIZE + 1,), mesh1d, [dt.Shard(0)])[0])
+    with pytest.raises(dt.SPMDDivergenceError, match="ranks disagree on placements"):
+        dt.DTensor.from_local(good, mesh1d, [dt.Shard(0) if RANK else dt.Replicate()], shape=(SIZE + 1,))
+    wrong = np.zeros(good.size + (RANK == 1))  # one rank's piece is wrong: every rank raises
+    with pytest.raises(dt.ShapeMismatchError, match=r"rank 1 \(coordinate \(1,\)\) has"):
+        dt.DTensor.from_local(wrong, mesh1d, [dt.Shard(0)], shape=(SIZE + 1,))
+    assert dt.DTensor.from_local(good, mesh1d, [dt.Shard(0)], shape=(SIZE + 1,)).shape == (SIZE + 1,)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_catches_ranks_on_different_meshes(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                                      spmd_debug: None, check: Checker) -> None:
+    # two meshes over the same ranks: different communicators, which no mesh-level check sees
+    with dt.DeviceMesh("cpu", list(range(SIZE))) as other:
+        mine = mesh1d if RANK == 0 else other
+        full = np.arange(6.0)
+        with pytest.raises(dt.SPMDDivergenceError, match=r"distribute_tensor \(DTORCH_SPMD_DEBUG=1\): ranks disagree on mesh: rank 0: cpu mesh of shape"):
+            dt.distribute_tensor(full, mine, [dt.Shard(0)])
+        with pytest.raises(dt.SPMDDivergenceError, match="ranks disagree on mesh"):
+            dt.DTensor.from_local(np.zeros(1), mine, [dt.Replicate()], shape=(1,))
+        check.equal(dt.distribute_tensor(full, other, [dt.Shard(0)]).to_torch(), full, "same mesh everywhere")
+    # a sub-mesh holds different ranks on different rows, yet it is one mesh on every rank
+    tp = mesh2d["tp"]
+    x = dt.DTensor.from_local(np.ones(2), tp, [dt.Shard(0)])
+    check.equal(x.to_torch(), np.ones(2 * tp.size()), "sub-mesh in debug mode")
+    # ranks outside the mesh take part in the check and get their empty pieces
+    with dt.DeviceMesh("cpu", [0]) as first:
+        y = dt.distribute_tensor(full, first, [dt.Shard(0)])
+        check.true(y.to_local().size == (6 if RANK == 0 else 0), "outside the mesh in debug mode")
     check.done()
