@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from functools import lru_cache
 from math import prod
@@ -9,18 +10,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._mpi import library_world
 from .autograd.function import record_redistribute
 from .autograd.grad_mode import _GradMode
-from .dtypes import check_dtype, dtype_code
+from .comm.config import spmd_debug
+from .dtypes import check_dtype, dtype_code, dtype_from_code, reduction_op, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
-from .placement import Placement, Replicate, Shard, normalize_placements
+from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import CompiledHandle, array_namespace, compile_plan, run_compiled
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
-from .spmd import agree
-
-MAX_NDIM = 32
+from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
 
 
 @lru_cache(maxsize=1024)
@@ -262,15 +263,18 @@ class DTensor:
         of shapes), and the pieces are checked against the split rule. ``run_check=True``
         checks the pieces (shapes, dtype, ndim) against ``shape`` the same way. A failed check
         raises the same ``ShapeMismatchError``/``DTypeMismatchError`` on every rank.
-        ``shape`` given and ``run_check=False``: no communication; the pieces are trusted.
+        ``shape`` given and ``run_check=False``: no communication. This rank's piece is still
+        checked against the split rule (locally, for free); a wrong piece raises
+        ``ShapeMismatchError`` on the ranks that hold one only (no collective has started, so
+        none is left waiting here; the abort-on-exception hook ends the job if it goes
+        uncaught). ``run_check=True`` makes the same check an agreed error on every rank.
+        ``DTORCH_SPMD_DEBUG=1`` checks every call, and checks first that every world rank
+        makes it on the same mesh.
         """
         mesh = device_mesh
-        if shape is not None and not run_check:
-            xp_local = _as_local(local, mesh)
-            dtype = check_dtype(xp_local.dtype)
-            global_shape = tuple(int(s) for s in shape)
-            plc = normalize_placements(placements, mesh.ndim, len(global_shape))
-            return DTensor(xp_local, DTensorSpec(mesh, plc, global_shape, dtype))
+        debug_check_mesh(mesh, "from_local")
+        if shape is not None and not run_check and not spmd_debug():
+            return _from_local_trusted(local, mesh, placements, shape)
         return _from_local_checked(local, mesh, placements, shape)
 
 
@@ -300,73 +304,143 @@ def _as_local(local: Any, mesh: DeviceMesh) -> Any:
         )
     if mesh.device_type == "cuda" and not isinstance(local, xp.ndarray):
         raise TypeError(f"a 'cuda' mesh holds cupy.ndarray pieces, got {type(local).__name__}")
-    return local
+    return to_native(local)
+
+
+_MAX_ELEMENTS = int(np.iinfo(np.int64).max)
+
+
+def checked_shape(shape: Sequence[Any]) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints, each and their product in ``[0, 2**63)`` (NumPy's limit).
+
+    A clear error here instead of an overflow deep inside NumPy or an MPI metadata record.
+    """
+    try:
+        dims = tuple(operator.index(s) for s in shape)
+    except TypeError as exc:
+        raise TypeError(f"a shape holds ints, got {tuple(shape)!r}") from exc
+    if any(s < 0 for s in dims):
+        raise ShapeMismatchError(f"negative dimension in shape {dims}")
+    if any(s > _MAX_ELEMENTS for s in dims) or prod(dims) > _MAX_ELEMENTS:
+        raise ShapeMismatchError(
+            f"shape {dims} has {prod(dims)} elements; at most 2**63 - 1 (NumPy's limit) are supported"
+        )
+    return dims
+
+
+def make_spec(mesh: DeviceMesh, placements: tuple[Placement, ...], shape: tuple[int, ...],
+              dtype: np.dtype) -> DTensorSpec:
+    """The spec of a new DTensor; every Partial's reduce op must be defined for ``dtype``
+    (``reduction_op`` refuses max/min of complex numbers now, not at the first reduction)."""
+    for p in placements:
+        if isinstance(p, Partial):
+            reduction_op(dtype, p.reduce_op)
+    return DTensorSpec(mesh, placements, shape, dtype)
+
+
+def mesh_name(mesh: DeviceMesh) -> str:
+    """How ranks compare and name a mesh: the same text on every rank for one (sub-)mesh, and
+    different for two meshes built separately over the same ranks (their serials differ)."""
+    return f"{mesh.device_type} mesh of shape {mesh.shape}, serial {mesh.identity}"
+
+
+def debug_check_mesh(mesh: DeviceMesh, call: str) -> None:
+    """``DTORCH_SPMD_DEBUG=1``: every world rank makes ``call`` on the same mesh.
+
+    Over the library's world, ranks outside the mesh included: ranks passing different meshes
+    would otherwise wait in collectives on different communicators, which no check on the
+    mesh's own communicator can see. So in debug mode every world rank must make the call (as
+    every rank of an SPMD program does).
+    """
+    if spmd_debug():
+        require_same(library_world(), {"call": call, "mesh": mesh_name(mesh)},
+                     what=f"{call} (DTORCH_SPMD_DEBUG=1)")
+
+
+def _from_local_trusted(
+    local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]
+) -> DTensor:
+    """``shape`` given, no check across ranks: this rank's piece must fit the split rule."""
+    xp_local = _as_local(local, mesh)
+    dtype = check_dtype(xp_local.dtype)
+    global_shape = checked_shape(shape)
+    if len(global_shape) != xp_local.ndim:
+        raise ShapeMismatchError(
+            f"shape={global_shape} has {len(global_shape)} dims but the local piece has {xp_local.ndim}"
+        )
+    spec = make_spec(mesh, _normalized(placements, mesh.ndim, len(global_shape)), global_shape, dtype)
+    coord = mesh.get_coordinate()
+    if coord is not None and tuple(xp_local.shape) != spec.local_shape:
+        raise ShapeMismatchError(
+            f"from_local(shape={global_shape}, placements={list(spec.placements)}): this rank "
+            f"(coordinate {coord}) holds a piece of shape {tuple(xp_local.shape)}, the split rule "
+            f"gives {spec.local_shape}. Checked on this rank only (shape given, run_check=False); "
+            f"pass run_check=True to check every rank's piece with one error on every rank"
+        )
+    return DTensor(xp_local, spec)
+
+
+# the fields of from_local's record: what must agree, then the piece's metadata
+_FL_PLACEMENTS, _FL_MESH, _FL_NDIM, _FL_DTYPE, _FL_SHAPE = 0, 1, 2, 3, 4
+_FL_GIVEN = _FL_SHAPE + MAX_NDIM
 
 
 def _from_local_checked(
     local: Any, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int] | None
 ) -> DTensor:
-    comm = mesh.get_comm()
-    coord = mesh.get_coordinate()
-    if coord is None:
+    if mesh.get_coordinate() is None:
         if shape is None:
             raise MeshMismatchError(
                 "from_local on a rank outside the mesh cannot derive the global shape; pass shape="
             )
+        return _from_local_trusted(local, mesh, placements, shape)  # an outside piece is empty
+    comm = mesh.get_comm()
+    converted: list[Any] = []
+
+    def fill(row: np.ndarray) -> None:
+        """One all-gather carries every rank's status, placements, mesh, ndim, dtype, piece
+        shape and shape= argument; messages travel only when some rank reports a problem."""
         xp_local = _as_local(local, mesh)
-        global_shape = tuple(int(s) for s in shape)
-        plc = normalize_placements(placements, mesh.ndim, len(global_shape))
-        return DTensor(xp_local, DTensorSpec(mesh, plc, global_shape, check_dtype(xp_local.dtype)))
-    # one all-gather carries every rank's status, ndim, dtype, piece shape and shape= argument;
-    # only when some rank reports a problem do the ranks exchange the error message
-    record = np.full(3 + 2 * MAX_NDIM, -1, dtype=np.int64)
-    record[0] = 0
-    problem: Exception | None = None
-    try:
-        xp_local = _as_local(local, mesh)
+        converted.append(xp_local)
         if xp_local.ndim > MAX_NDIM:
             raise ShapeMismatchError(f"pieces have {xp_local.ndim} dims; at most {MAX_NDIM} are supported")
-        record[1] = xp_local.ndim
-        record[2] = dtype_code(xp_local.dtype)
-        record[3 : 3 + xp_local.ndim] = xp_local.shape
+        row[_FL_PLACEMENTS] = fingerprint(_normalized(placements, mesh.ndim, xp_local.ndim))
+        row[_FL_MESH] = fingerprint(mesh_name(mesh))
+        row[_FL_NDIM] = xp_local.ndim
+        row[_FL_DTYPE] = dtype_code(xp_local.dtype)
+        row[_FL_SHAPE : _FL_SHAPE + xp_local.ndim] = xp_local.shape
         if shape is not None:
-            given = tuple(int(s) for s in shape)
+            given = checked_shape(shape)
             if len(given) != xp_local.ndim:
                 raise ShapeMismatchError(
                     f"shape={given} has {len(given)} dims but the local piece has {xp_local.ndim}"
                 )
-            record[3 + MAX_NDIM : 3 + MAX_NDIM + len(given)] = given
-        normalize_placements(placements, mesh.ndim, xp_local.ndim)
-    except Exception as exc:
-        problem = exc
-        record[0] = 1
-    table = np.empty((comm.Get_size(), record.size), dtype=np.int64)
-    comm.Allgather(record, table)
-    if table[:, 0].any():
-        agree(comm, problem)  # every rank sees the failure flag, so every rank calls it
-    ndims = set(table[:, 1].tolist())
-    if len(ndims) != 1:
+            row[_FL_GIVEN : _FL_GIVEN + len(given)] = given
+
+    table = gather_records(comm, fill, _FL_GIVEN + MAX_NDIM)
+    xp_local = converted[0]
+    if len(set(table[:, _FL_NDIM].tolist())) != 1:
         raise ShapeMismatchError(
             "from_local pieces differ in ndim across ranks: "
-            + ", ".join(f"rank {r}: {int(n)}-D" for r, n in enumerate(table[:, 1]))
+            + ", ".join(f"rank {r}: {int(n)}-D" for r, n in enumerate(table[:, _FL_NDIM]))
         )
-    ndim = ndims.pop()
-    codes = set(table[:, 2].tolist())
-    if len(codes) != 1:
-        from .dtypes import dtype_from_code
-
+    plc = _normalized(placements, mesh.ndim, xp_local.ndim)
+    require_same_columns(comm, table, {_FL_PLACEMENTS: ("placements", list(plc)),
+                                       _FL_MESH: ("mesh", mesh_name(mesh))}, what="from_local")
+    codes = table[:, _FL_DTYPE]
+    if len(set(codes.tolist())) != 1:
         raise DTypeMismatchError(
             "from_local pieces differ in dtype across ranks: "
-            + ", ".join(f"rank {r}: {dtype_from_code(int(c))}" for r, c in enumerate(table[:, 2]))
+            + ", ".join(f"rank {r}: {dtype_from_code(int(c))}" for r, c in enumerate(codes))
             + "; cast every piece to one dtype"
         )
-    plc = normalize_placements(placements, mesh.ndim, ndim)
-    local_shapes = [tuple(int(v) for v in row[3 : 3 + ndim]) for row in table]
+    ndim = xp_local.ndim
+    local_shapes = [tuple(int(v) for v in row[_FL_SHAPE : _FL_SHAPE + ndim]) for row in table]
     coords = [tuple(int(c) for c in np.unravel_index(r, mesh.shape)) for r in range(comm.Get_size())]
     if shape is None:
         global_shape = _derive_global_shape(local_shapes, coords, mesh.shape, plc)
     else:
-        givens = {tuple(int(v) for v in row[3 + MAX_NDIM : 3 + MAX_NDIM + ndim]) for row in table}
+        givens = {tuple(int(v) for v in row[_FL_GIVEN : _FL_GIVEN + ndim]) for row in table}
         if len(givens) != 1:
             raise ShapeMismatchError(f"ranks passed different shape= values: {sorted(givens)}")
         global_shape = givens.pop()
@@ -381,7 +455,7 @@ def _from_local_checked(
             f"{list(plc)}: " + "; ".join(bad)
             + ". Pieces must follow the balanced split rule (see compute_local_shape_and_offset)"
         )
-    return DTensor(local, DTensorSpec(mesh, plc, global_shape, check_dtype(local.dtype)))
+    return DTensor(xp_local, make_spec(mesh, plc, global_shape, check_dtype(xp_local.dtype)))
 
 
 def _derive_global_shape(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -31,6 +32,16 @@ def check_dtype(dtype: object) -> np.dtype:
             f"dtype {dt} is not supported; use one of {', '.join(str(d) for d in SUPPORTED_DTYPES)}"
         )
     return dt
+
+
+def to_native(array: Any) -> Any:
+    """``array`` in native byte order: itself when it already is, else a converted copy.
+
+    MPI moves raw bytes and reduces in the machine's byte order, so a ``>f4`` piece on a
+    little-endian machine would arrive (or sum) as garbage: every entry point converts first.
+    """
+    dt = np.dtype(array.dtype)
+    return array if dt.isnative else array.astype(dt.newbyteorder("="))
 
 
 def dtype_code(dtype: np.dtype) -> int:
@@ -69,7 +80,10 @@ def reduction_op(dtype: np.dtype, reduce_op: str) -> MPI.Op:
     if dt == np.bool_:
         return {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "avg": MPI.LOR}[reduce_op]
     if dt.kind == "c" and reduce_op in ("max", "min"):
-        raise DTypeMismatchError(f"Partial({reduce_op!r}) is undefined for complex dtype {dt}")
+        raise DTypeMismatchError(
+            f"Partial({reduce_op!r}) is undefined for complex dtype {dt} (complex numbers have no "
+            f"order); use Partial('sum') or Partial('avg'), or reduce a real quantity such as abs()"
+        )
     return {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[reduce_op]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,28 +11,24 @@ import numpy as np
 from mpi4py import MPI
 
 from . import random as _random
+from .comm.config import spmd_debug
 from .comm.counter import record
-from .dtensor import DTensor
-from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value
+from .dtensor import DTensor, checked_shape, debug_check_mesh, make_spec, mesh_name
+from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, normalize_placements
 from .redistribute import array_namespace
-from .spec import DTensorSpec
 from .split import local_shape_and_offset
-from .spmd import agree
+from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
 
 DEFAULT_DTYPE = np.dtype("float32")
-MAX_NDIM = 32
 
 
 def _parse_shape(shape: tuple[Any, ...]) -> tuple[int, ...]:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
         shape = tuple(shape[0])
-    dims = tuple(int(s) for s in shape)
-    if any(s < 0 for s in dims):
-        raise ShapeMismatchError(f"negative dimension in shape {dims}")
-    return dims
+    return checked_shape(shape)
 
 
 def _partial_fill(mesh: DeviceMesh, placements: tuple[Placement, ...]) -> str | None:
@@ -55,7 +52,7 @@ def _build(
     fill: Callable[[tuple[int, ...], tuple[int, ...], Any], Any],
 ) -> DTensor:
     plc = normalize_placements(placements, mesh.ndim, len(shape))
-    spec = DTensorSpec(mesh, plc, shape, dtype)
+    spec = make_spec(mesh, plc, shape, dtype)
     local_shape, offset = spec.local_shape_and_offset
     xp = array_namespace(mesh.device_type)
     op = _partial_fill(mesh, plc)
@@ -139,7 +136,7 @@ def rand(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     _require_float(dt, "rand")
     dims = _parse_shape(shape)
-    key = _random.next_key()
+    key = _random_key(mesh, "rand")
     return _build(dims, dt, mesh, plc,
                   lambda s, o, xp: _random.uniform(key, dims, s, o, dt, xp))
 
@@ -150,14 +147,29 @@ def randn(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     _require_float(dt, "randn")
     dims = _parse_shape(shape)
-    key = _random.next_key()
+    key = _random_key(mesh, "randn")
     return _build(dims, dt, mesh, plc,
                   lambda s, o, xp: _random.normal(key, dims, s, o, dt, xp))
+
+
+def _random_key(mesh: DeviceMesh, call: str) -> int:
+    """The next random key; with ``DTORCH_SPMD_DEBUG=1`` the ranks of the mesh first check that
+    their generator states (seed, calls so far) agree: a divergent ``manual_seed`` or an extra
+    random call on one rank would otherwise give silently different "global" values."""
+    if spmd_debug():
+        require_same(mesh.get_comm(), {"random state (seed, calls)": _random.state()},
+                     what=f"{call} (DTORCH_SPMD_DEBUG=1)")
+    return _random.next_key()
 
 
 def _require_float(dt: np.dtype, name: str) -> None:
     if dt.kind != "f":
         raise DTypeMismatchError(f"{name} makes floating-point values; got dtype {dt}")
+
+
+# the fields of distribute_tensor's record: what must agree, then the holders' array metadata
+_DT_SOURCE, _DT_MESH, _DT_PLACEMENTS, _DT_NDIM, _DT_DTYPE, _DT_SHAPE = 0, 1, 2, 3, 4, 5
+_NO_SOURCE = -2  # src_data_rank=None in the record
 
 
 def distribute_tensor(
@@ -172,68 +184,84 @@ def distribute_tensor(
     ``src_data_rank``: the mesh rank (position in ``device_mesh.mesh.flatten()``; equal to the
     world rank for ``init_device_mesh``) holding the array; other ranks may pass ``None`` or
     an array of the same shape, which is ignored. The source sends each rank its piece as a
-    buffer. ``None``: every rank holds the array and slices locally (no data moves; one tiny
-    check that all ranks agree on shape and dtype). The pieces never alias ``array``.
+    buffer. ``None``: every rank holds the array and slices locally (no data moves). The pieces
+    never alias ``array``. One small all-gather first agrees ``src_data_rank``, the mesh, the
+    placements and the array's shape and dtype across the mesh: a difference raises on every
+    rank (``SPMDDivergenceError``, ``ShapeMismatchError``). A rank outside the mesh makes an
+    empty piece from ``array``'s shape and dtype without communicating.
     """
     mesh = device_mesh
+    debug_check_mesh(mesh, "distribute_tensor")
+    if mesh.get_coordinate() is None:
+        return _outside_the_mesh(array, mesh, placements)
     comm = mesh.get_comm()
-    coord = mesh.get_coordinate()
-    xp = array_namespace(mesh.device_type)
-    if coord is None:
-        raise MeshMismatchError(
-            f"distribute_tensor on world rank {MPI.COMM_WORLD.Get_rank()}, which is not in {mesh!r}"
-        )
-    size = comm.Get_size()
-    if src_data_rank is not None and not 0 <= src_data_rank < size:
-        raise ValueError(f"src_data_rank={src_data_rank} is not a rank of a mesh of {size} ranks")
-    me = comm.Get_rank()
-    holds = src_data_rank is None or me == src_data_rank
-    # [status, ndim, dtype code, shape...]: one collective carries the metadata and the status;
-    # only when a holder reports a problem do the ranks exchange the error message
-    meta = np.full(3 + MAX_NDIM, -1, dtype=np.int64)
-    meta[0] = 0
-    problem: Exception | None = None
-    if holds:
-        try:
+    size, me = comm.Get_size(), comm.Get_rank()
+
+    def fill(row: np.ndarray) -> None:
+        nonlocal array
+        row[_DT_SOURCE] = _NO_SOURCE if src_data_rank is None else operator.index(src_data_rank)
+        row[_DT_MESH] = fingerprint(mesh_name(mesh))
+        row[_DT_PLACEMENTS] = fingerprint(tuple(placements))
+        if src_data_rank is not None and not 0 <= src_data_rank < size:
+            raise ValueError(f"src_data_rank={src_data_rank} is not a rank of a mesh of {size} ranks")
+        if src_data_rank is None or me == src_data_rank:
             if not hasattr(array, "shape") or not hasattr(array, "dtype"):
                 raise TypeError(f"distribute_tensor needs an array, got {type(array).__name__}")
+            array = to_native(array)
             if array.ndim > MAX_NDIM:
                 raise ShapeMismatchError(f"arrays of more than {MAX_NDIM} dims are not supported")
-            meta[1], meta[2] = array.ndim, dtype_code(array.dtype)
-            meta[3 : 3 + array.ndim] = array.shape
             normalize_placements(placements, mesh.ndim, array.ndim)
+            row[_DT_NDIM], row[_DT_DTYPE] = array.ndim, dtype_code(array.dtype)
+            row[_DT_SHAPE : _DT_SHAPE + array.ndim] = checked_shape(array.shape)
+
+    table = gather_records(comm, fill, _DT_SHAPE + MAX_NDIM)
+    require_same_columns(comm, table, {_DT_SOURCE: ("src_data_rank", src_data_rank),
+                                       _DT_MESH: ("mesh", mesh_name(mesh))}, what="distribute_tensor")
+    holders = table if src_data_rank is None else table[src_data_rank : src_data_rank + 1]
+    metas = {tuple(row[_DT_NDIM:].tolist()) for row in holders}
+    if len(metas) != 1:
+        raise ShapeMismatchError(
+            "distribute_tensor(src_data_rank=None) needs the same array shape and dtype on every "
+            "rank; ranks disagree: " + ", ".join(
+                f"rank {r}: {tuple(int(v) for v in row[_DT_SHAPE : _DT_SHAPE + row[_DT_NDIM]])} "
+                f"{dtype_from_code(int(row[_DT_DTYPE]))}" for r, row in enumerate(table))
+        )
+    ndim, code = int(holders[0, _DT_NDIM]), int(holders[0, _DT_DTYPE])
+    shape = tuple(int(s) for s in holders[0, _DT_SHAPE : _DT_SHAPE + ndim])
+    dt = dtype_from_code(code)
+    if len(set(table[:, _DT_PLACEMENTS].tolist())) == 1:  # the same arguments everywhere
+        plc = normalize_placements(placements, mesh.ndim, ndim)
+    else:  # perhaps the same placements spelled differently (Shard(-1), Shard(1)): compare them
+        plc, problem = (), None
+        try:
+            plc = normalize_placements(placements, mesh.ndim, ndim)
         except Exception as exc:
             problem = exc
-            meta[0] = 1
-    if src_data_rank is None:
-        both = np.concatenate([meta, -meta])
-        lowest = np.empty_like(both)
-        comm.Allreduce(both, lowest, op=MPI.MIN)
-        if lowest[meta.size] != 0:  # that is -max(status): some rank failed
-            agree(comm, problem)
-        if not np.array_equal(lowest[: meta.size], -lowest[meta.size :]):
-            raise ShapeMismatchError(
-                "distribute_tensor(src_data_rank=None) needs the same array shape and dtype on "
-                "every rank; ranks disagree"
-            )
-    else:
-        comm.Bcast(meta, root=src_data_rank)
-        if meta[0] != 0:
-            agree(comm, problem)
-    ndim = int(meta[1])
-    shape = tuple(int(s) for s in meta[3 : 3 + ndim])
-    dt = dtype_from_code(int(meta[2]))
-    plc = normalize_placements(placements, mesh.ndim, ndim)
-    spec = DTensorSpec(mesh, plc, shape, dt)
+        require_same(comm, {"placements": list(plc)}, what="distribute_tensor", problem=problem)
+    spec = make_spec(mesh, plc, shape, dt)
     local_shape, offset = spec.local_shape_and_offset
-    index = tuple(slice(o, o + n) for o, n in zip(offset, local_shape))
     op = _partial_fill(mesh, plc)
+    xp = array_namespace(mesh.device_type)
     if src_data_rank is None:
-        local = xp.array(array[index], copy=True) if op is None else xp.full(local_shape, identity_value(dt, op), dt)
-        return DTensor(xp.ascontiguousarray(local), spec)
+        index = (*(slice(o, o + n) for o, n in zip(offset, local_shape)), ...)  # 0-d stays 0-d
+        local = (xp.array(array[index], dtype=dt, order="C", copy=True) if op is None
+                 else xp.full(local_shape, identity_value(dt, op), dt))
+        return DTensor(local, spec)
     local = xp.zeros(local_shape, dtype=dt) if op is None else xp.full(local_shape, identity_value(dt, op), dt)
     _send_pieces(array, local, mesh, plc, shape, src_data_rank, me, xp)
     return DTensor(local, spec)
+
+
+def _outside_the_mesh(array: Any, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    """A rank outside the mesh holds an empty piece, like the factories' and from_local's."""
+    if not hasattr(array, "shape") or not hasattr(array, "dtype"):
+        raise MeshMismatchError(
+            f"distribute_tensor on world rank {MPI.COMM_WORLD.Get_rank()}, which is not in {mesh!r}: "
+            f"pass the array (or anything with its shape and dtype, e.g. numpy.empty(shape, dtype)) "
+            f"so that this rank can make its empty piece; it moves no data"
+        )
+    shape, dt = checked_shape(array.shape), check_dtype(array.dtype)
+    return _build(shape, dt, mesh, placements, lambda s, o, xp: xp.empty(s, dtype=dt))
 
 
 def _send_pieces(
@@ -250,7 +278,7 @@ def _send_pieces(
         for c in (tuple(int(v) for v in np.unravel_index(r, mesh.shape)) for r in range(comm.Get_size()))
     ]
     if me == root:
-        src = np.ascontiguousarray(array.get() if hasattr(array, "get") else array)
+        src = np.asarray(array.get() if hasattr(array, "get") else array, order="C")  # 0-d stays 0-d
         requests, types, sent = [], [], 0
         for r in range(comm.Get_size()):
             if not needs[r]:

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-import zlib
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from . import abort
 from ._mpi import library_world, node_local_rank
 from .errors import MeshMismatchError
-from .spmd import agreed
+from .spmd import require_same
 
 DEVICE_TYPES = ("cpu", "cuda")
+_CONSTRUCTED = itertools.count()
+"""Meshes built so far: construction is collective over the world, so a mesh's serial number
+is the same on every rank and tells apart meshes over the same ranks (see ``identity``)."""
 
 
 class DeviceMesh:
@@ -22,6 +26,7 @@ class DeviceMesh:
     ``get_group(k)`` is the communicator of the ranks that differ only in mesh dim ``k``;
     the communicators are built once here (``Split``) and released by ``free()`` (collective),
     never by the garbage collector. A rank outside the mesh has ``get_coordinate() is None``.
+    The first mesh installs the abort-on-exception hook (:mod:`dtorch_mpi.abort`).
     """
 
     def __init__(
@@ -31,11 +36,21 @@ class DeviceMesh:
         *,
         mesh_dim_names: Sequence[str] | None = None,
     ) -> None:
+        abort.install()  # an uncaught exception on one rank now ends the job (see abort.py)
         world = library_world()
-        with agreed(world):
+        problem: Exception | None = None
+        try:
             array = _validate_mesh(device_type, mesh, mesh_dim_names, world.Get_size())
-            _agree_same_everywhere(world, array, device_type, mesh_dim_names)
+        except Exception as exc:
+            problem = exc
+        require_same(  # one collective carries every rank's verdict and its arguments
+            world,
+            {"device_type": device_type, "mesh": array.tolist() if problem is None else None,
+             "mesh_dim_names": None if mesh_dim_names is None else tuple(mesh_dim_names)},
+            what="ranks passed different meshes to DeviceMesh()", error=MeshMismatchError, problem=problem,
+        )
         self._init_fields(device_type, array, mesh_dim_names)
+        self._identity: tuple[Any, ...] = (next(_CONSTRUCTED),)
         me = world.Get_rank()
         where = np.argwhere(array == me)
         self._coordinate: tuple[int, ...] | None = (
@@ -79,6 +94,7 @@ class DeviceMesh:
         names = [parent.mesh_dim_names[mesh_dim]] if parent.mesh_dim_names else None
         self._init_fields(parent.device_type, np.array(parent._mesh[index]), names)
         self._coordinate = (parent._coordinate[mesh_dim],) if parent._coordinate else None
+        self._identity = (parent._identity, mesh_dim)
         self._owns_comms = False
         self._parent = parent
         group = parent._groups[mesh_dim]
@@ -103,6 +119,13 @@ class DeviceMesh:
         if mesh_dim is None:
             return int(self._mesh.size)
         return self.shape[self._dim_index(mesh_dim)]
+
+    @property
+    def identity(self) -> tuple[Any, ...]:
+        """Equal on every world rank for one mesh (its construction serial; a sub-mesh adds the
+        mesh dim to its parent's, so ``mesh["tp"]`` has one identity on every rank though its
+        ranks differ); differs between meshes built separately, even over the same ranks."""
+        return self._identity
 
     def get_coordinate(self) -> tuple[int, ...] | None:
         return self._coordinate
@@ -194,21 +217,6 @@ def _validate_mesh(
                 f"mesh_dim_names {names} must name each of the {array.ndim} mesh dims once"
             )
     return array
-
-
-def _agree_same_everywhere(
-    world: MPI.Intracomm, array: np.ndarray, device_type: str, names: Sequence[str] | None
-) -> None:
-    text = repr((array.shape, array.ravel().tolist(), device_type, tuple(names or ())))
-    digest = zlib.crc32(text.encode())
-    local = np.array([digest, -digest], dtype=np.int64)
-    lowest = np.empty_like(local)
-    world.Allreduce(local, lowest, op=MPI.MIN)
-    if lowest[0] != -lowest[1]:
-        raise MeshMismatchError(
-            "ranks passed different meshes to DeviceMesh(); every rank must pass the same "
-            "device_type, mesh and mesh_dim_names"
-        )
 
 
 def _select_gpu() -> None:

@@ -25,7 +25,7 @@ _M2 = 0x94D049BB133111EB
 _MASK = (1 << 64) - 1
 _CHUNK = 32768
 
-_seed = int(os.environ.get("DTORCH_SEED", "0"))
+_seed: int | None = None  # read from DTORCH_SEED at the first random call, not at import
 _calls = 0
 
 
@@ -36,10 +36,19 @@ def manual_seed(seed: int) -> None:
     _calls = 0
 
 
+def state() -> tuple[int, int]:
+    """``(seed, calls so far)``: what must agree across ranks (checked in SPMD debug mode)."""
+    global _seed
+    if _seed is None:
+        _seed = int(os.environ.get("DTORCH_SEED", "0")) & _MASK
+    return _seed, _calls
+
+
 def next_key() -> int:
     """The key of the next random call (advances the call counter)."""
     global _calls
-    key = _mix_int(_mix_int(_seed) ^ ((_calls + 1) * 0xD1B54A32D192ED03 & _MASK))
+    seed, calls = state()
+    key = _mix_int(_mix_int(seed) ^ ((calls + 1) * 0xD1B54A32D192ED03 & _MASK))
     _calls += 1
     return key
 

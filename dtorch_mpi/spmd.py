@@ -1,18 +1,29 @@
 """SPMD agreement: a check that one rank fails makes every rank raise the same error.
 
-Errors travel as UTF-8 bytes in buffer collectives (no pickles). Use ``agreed(comm)`` as a
-context manager around any check whose outcome can differ between ranks.
+Errors travel as UTF-8 bytes in buffer collectives (no pickles). The rules, each named once:
+- ``agreed(comm)`` / ``agree(comm, error)``: a check whose outcome can differ between ranks;
+- ``require_same(comm, values, ...)``: every rank holds the same values (one small Allreduce
+  of fingerprints, carrying the caller's own status too);
+- ``gather_records(comm, fill, width)``: every rank's status and integer metadata in one
+  Allgather (``MAX_NDIM`` bounds the shapes such records carry);
+- ``require_same_columns`` and ``raise_divergence``: comparing such records, and the slow
+  path that names each rank's value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
-from .errors import ERROR_TYPES, DTensorError
+from .errors import ERROR_TYPES, DTensorError, SPMDDivergenceError
+
+MAX_NDIM = 32
+"""The most tensor dims a metadata record carries (from_local, distribute_tensor)."""
 
 
 def _allgather_bytes(comm: MPI.Intracomm, payload: bytes) -> list[bytes]:
@@ -70,3 +81,82 @@ def agreed(comm: MPI.Intracomm | None) -> Iterator[None]:
         agree(comm, exc)
         raise
     agree(comm, None)
+
+
+def fingerprint(value: object) -> int:
+    """A 62-bit digest of ``repr(value)``: how ranks compare values in an integer collective."""
+    digest = hashlib.blake2b(repr(value).encode("utf-8", "replace"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def raise_divergence(comm: MPI.Intracomm, values: Mapping[str, object], what: str,
+                     error: type[Exception] = SPMDDivergenceError) -> NoReturn:
+    """Every rank calls this once all know that ``values`` differ between ranks: one exchange of
+    their texts (a string as it is, anything else as its repr; each cut at 200 characters),
+    then ``error`` naming each rank's value."""
+    mine = "\0".join((v if isinstance(v, str) else repr(v))[:200] for v in values.values())
+    reports = [r.decode("utf-8", "replace").split("\0") for r in _allgather_bytes(comm, mine.encode())]
+    parts = [
+        f"{name}: " + "; ".join(f"rank {r}: {rep[i]}" for r, rep in enumerate(reports))
+        for i, name in enumerate(values)
+    ]
+    raise error(
+        f"{what}: ranks disagree on " + " | ".join(parts)
+        + ". Every rank must make the same call with the same arguments"
+    )
+
+
+def require_same(comm: MPI.Intracomm | None, values: Mapping[str, object], *, what: str,
+                 error: type[Exception] = SPMDDivergenceError,
+                 problem: BaseException | None = None) -> None:
+    """Every rank of ``comm`` holds the same ``values``, or ``error`` is raised on every rank.
+
+    One Allreduce of ``[status, fingerprints...]`` and their negatives (``MIN`` gives the least
+    and, negated, the greatest of each: equal means every rank agrees). ``problem``, this
+    rank's own failure before the check, is agreed first (see :func:`agree`).
+    """
+    if comm is None or comm == MPI.COMM_NULL or comm.Get_size() == 1:
+        if problem is not None:
+            raise problem
+        return
+    mine = np.array([1 if problem is not None else 0, *(fingerprint(v) for v in values.values())],
+                    dtype=np.int64)
+    low = np.empty(2 * mine.size, dtype=np.int64)
+    comm.Allreduce(np.concatenate([mine, -mine]), low, op=MPI.MIN)
+    if low[mine.size] != 0:  # -max(status): some rank failed
+        agree(comm, problem)
+    differ = [name for i, name in enumerate(values, 1) if low[i] != -low[mine.size + i]]
+    if differ:
+        raise_divergence(comm, {name: values[name] for name in differ}, what, error)
+
+
+def require_same_columns(comm: MPI.Intracomm, table: np.ndarray,
+                         columns: Mapping[int, tuple[str, object]], *, what: str,
+                         error: type[Exception] = SPMDDivergenceError) -> None:
+    """After :func:`gather_records`: each listed column holds a fingerprint of the value named
+    beside it; if any differs between ranks, every rank raises ``error`` naming the values."""
+    differ = dict(pair for col, pair in columns.items() if len(set(table[:, col].tolist())) > 1)
+    if differ:
+        raise_divergence(comm, differ, what, error)
+
+
+def gather_records(comm: MPI.Intracomm, fill: Callable[[np.ndarray], None], width: int) -> np.ndarray:
+    """Every rank's ``width`` int64 metadata fields and its status in one Allgather.
+
+    ``fill(row)`` writes this rank's fields (those it leaves stay -1). If it raises on any
+    rank, every rank raises (:func:`agree`; only then do messages travel). Returns the
+    ``(ranks, width)`` table.
+    """
+    row = np.full(1 + width, -1, dtype=np.int64)
+    row[0] = 0
+    problem: Exception | None = None
+    try:
+        fill(row[1:])
+    except Exception as exc:
+        problem = exc
+        row[0] = 1
+    table = np.empty((comm.Get_size(), row.size), dtype=np.int64)
+    comm.Allgather(row, table)
+    if table[:, 0].any():
+        agree(comm, problem)  # every rank sees the failure flag, so every rank calls it
+    return table[:, 1:]

@@ -1,6 +1,7 @@
 """dtorch_mpi quickstart: `mpiexec -n 4 python examples/quickstart.py` (what `make demo` runs).
 
-Every rank runs this same program; rank 0 prints.
+Every rank runs this same program; rank 0 prints. An uncaught exception on any rank ends the
+whole job at once (dtorch_mpi's abort-on-exception hook; DTORCH_ABORT_ON_EXCEPTION=0 opts out).
 """
 
 import os

@@ -60,6 +60,30 @@ def _bad_ck(kind: str) -> Callable[[dt.DeviceMesh], Any]:
     return run
 
 
+def _debug(make: Callable[[dt.DeviceMesh], Any]) -> Callable[[dt.DeviceMesh], Any]:
+    """The case run with DTORCH_SPMD_DEBUG=1."""
+    def run(mesh: dt.DeviceMesh) -> Any:
+        from dtorch_mpi.comm.config import set_spmd_debug, spmd_debug
+
+        before = spmd_debug()
+        set_spmd_debug(True)
+        try:
+            return make(mesh)
+        finally:
+            set_spmd_debug(before)
+    return run
+
+
+def _on_two_meshes(mesh: dt.DeviceMesh) -> Any:
+    with dt.DeviceMesh("cpu", list(range(SIZE))) as other:
+        return dt.distribute_tensor(np.zeros(4), mesh if RANK == 0 else other, [dt.Shard(0)])
+
+
+def _divergent_seed(mesh: dt.DeviceMesh) -> Any:
+    dt.manual_seed(RANK)
+    return dt.randn(4, device_mesh=mesh)
+
+
 CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = [
     # placements
     ("shard dim out of range", lambda m: _ones(m, 4, plc=[dt.Shard(2)]), dt.PlacementError, r"use a dim in \[-1, 0\]"),
@@ -88,6 +112,29 @@ CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = 
     ("distribute_tensor not an array", lambda m: dt.distribute_tensor("abc", m, [dt.Shard(0)], src_data_rank=None), TypeError, "needs an array"),
     ("distribute_tensor bad source rank", lambda m: dt.distribute_tensor(np.zeros(2), m, [dt.Shard(0)], src_data_rank=SIZE), ValueError, "is not a rank of a mesh"),
     ("distribute_tensor divergent shapes", lambda m: dt.distribute_tensor(np.zeros(2 + RANK), m, [dt.Shard(0)], src_data_rank=None), dt.ShapeMismatchError, "same array shape"),
+    # construction: trusted pieces, 0-d, ranks that disagree, limits (issue 12 items 3, 5, 6, 7, 15)
+    ("trusted from_local piece off the split rule", lambda m: dt.DTensor.from_local(np.zeros(7), m, [dt.Shard(0)], shape=(6,)), dt.ShapeMismatchError, r"this rank \(coordinate .* split rule gives"),
+    ("trusted from_local shape ndim", lambda m: dt.DTensor.from_local(np.zeros(2), m, [dt.Shard(0)], shape=(2, 2)), dt.ShapeMismatchError, "has 2 dims but the local piece has 1"),
+    ("distribute_tensor shards a 0-d array", lambda m: dt.distribute_tensor(np.array(1.5), m, [dt.Shard(0)], src_data_rank=None), dt.PlacementError, "cannot be sharded"),
+    ("from_local shards a 0-d piece", lambda m: dt.DTensor.from_local(np.array(1.5), m, [dt.Shard(0)]), dt.PlacementError, "cannot be sharded"),
+    ("distribute_tensor rank-divergent placements", lambda m: dt.distribute_tensor(np.zeros((4, 4)), m, [dt.Shard(RANK % 2)]), dt.SPMDDivergenceError, r"ranks disagree on placements: rank 0: \[Shard\(dim=0\)\]; rank 1: \[Shard\(dim=1\)\]"),
+    ("distribute_tensor rank-divergent source", lambda m: dt.distribute_tensor(np.zeros(4), m, [dt.Shard(0)], src_data_rank=RANK % 2), dt.SPMDDivergenceError, "src_data_rank: rank 0: 0; rank 1: 1"),
+    ("distribute_tensor source out of range on one rank", lambda m: dt.distribute_tensor(np.zeros(4), m, [dt.Shard(0)], src_data_rank=SIZE * (RANK == 1)), ValueError, "is not a rank of a mesh"),
+    ("from_local rank-divergent placements", lambda m: dt.DTensor.from_local(np.zeros(2), m, [dt.Replicate() if RANK else dt.Partial()]), dt.SPMDDivergenceError, r"ranks disagree on placements: rank 0: \[Partial\(\"sum\"\)\]"),
+    ("DeviceMesh invalid on one rank", lambda m: dt.DeviceMesh("cpu", [0, 0] if RANK == 1 else [0, 1]), ValueError, "names a rank twice"),
+    ("ranks pass different meshes", lambda m: dt.DeviceMesh("cpu", [RANK % 2]), dt.MeshMismatchError, r"different meshes to DeviceMesh\(\): ranks disagree on mesh: rank 0: \[0\]; rank 1: \[1\]"),
+    ("factory shape beyond 2**63", lambda m: dt.zeros(2**63, device_mesh=m), dt.ShapeMismatchError, r"at most 2\*\*63 - 1"),
+    ("factory element count beyond 2**63", lambda m: dt.ones(2**32, 2**32, device_mesh=m), dt.ShapeMismatchError, r"at most 2\*\*63 - 1"),
+    ("from_local shape beyond 2**63", lambda m: dt.DTensor.from_local(np.zeros(1), m, [dt.Shard(0)], shape=(2**63,)), dt.ShapeMismatchError, r"at most 2\*\*63 - 1"),
+    ("from_local checked shape beyond 2**63", lambda m: dt.DTensor.from_local(np.zeros(1), m, [dt.Shard(0)], shape=(2**64,), run_check=True), dt.ShapeMismatchError, r"at most 2\*\*63 - 1"),
+    ("non-int shape", lambda m: dt.zeros(2.5, device_mesh=m), TypeError, "a shape holds ints"),
+    ("complex Partial(max) factory", lambda m: dt.zeros(3, dtype=np.complex64, device_mesh=m, placements=[dt.Partial("max")]), dt.DTypeMismatchError, r"Partial\('max'\) is undefined for complex"),
+    ("complex Partial(min) distribute_tensor", lambda m: dt.distribute_tensor(np.ones(3, np.complex128), m, [dt.Partial("min")]), dt.DTypeMismatchError, r"Partial\('min'\) is undefined for complex"),
+    ("complex Partial(max) from_local", lambda m: dt.DTensor.from_local(np.ones(3, np.complex64), m, [dt.Partial("max")]), dt.DTypeMismatchError, r"use Partial\('sum'\)"),
+    ("complex Partial(max) trusted from_local", lambda m: dt.DTensor.from_local(np.ones(3, np.complex64), m, [dt.Partial("max")], shape=(3,)), dt.DTypeMismatchError, "undefined for complex"),
+    ("debug: trusted from_local with divergent placements", _debug(lambda m: dt.DTensor.from_local(np.zeros(1), m, [dt.Replicate() if RANK else dt.Partial()], shape=(1,))), dt.SPMDDivergenceError, "ranks disagree on placements"),
+    ("debug: ranks on different meshes", _debug(_on_two_meshes), dt.SPMDDivergenceError, r"distribute_tensor \(DTORCH_SPMD_DEBUG=1\): ranks disagree on mesh"),
+    ("debug: divergent manual_seed", _debug(_divergent_seed), dt.SPMDDivergenceError, r"ranks disagree on random state \(seed, calls\): rank 0: \(0, 0\); rank 1: \(1, 0\)"),
     # factories
     ("negative dim", lambda m: dt.zeros(-2, device_mesh=m), dt.ShapeMismatchError, "negative dimension"),
     ("randn of ints", lambda m: dt.randn(3, dtype=np.int64, device_mesh=m), dt.DTypeMismatchError, "floating-point"),
@@ -124,7 +171,11 @@ CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = 
 
 
 NEEDS_TWO_RANKS = {"from_local rank-divergent dtype", "from_local off the split rule",
-                   "distribute_tensor divergent shapes"}
+                   "distribute_tensor divergent shapes", "distribute_tensor rank-divergent placements",
+                   "distribute_tensor rank-divergent source", "distribute_tensor source out of range on one rank",
+                   "from_local rank-divergent placements", "DeviceMesh invalid on one rank",
+                   "ranks pass different meshes", "debug: trusted from_local with divergent placements",
+                   "debug: ranks on different meshes", "debug: divergent manual_seed"}
 """Cases whose bad input only exists when ranks disagree."""
 
 

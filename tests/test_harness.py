@@ -52,3 +52,41 @@ def test_spmd_debug_mode_names_a_planted_divergence() -> None:
     assert rc == 0, out
     assert "group rank 0: all_gather" in out and "group rank 1: all_to_all" in out, out
     assert elapsed < 60
+
+
+def _this_checkout(env: dict[str, str]) -> dict[str, str]:
+    """A plain script imports dtorch_mpi from this checkout (not an installed copy)."""
+    root = os.path.dirname(HERE)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def test_an_uncaught_exception_on_one_rank_ends_the_job() -> None:
+    """Rank 1 raises, rank 0 waits in a collective: the hook prints the rank and the traceback
+    and aborts the job. The figure printed is the time from the raise to the job's end."""
+    script = os.path.join(HERE, "harness_cases", "abort_on_exception.py")
+    env = _this_checkout(dict(os.environ))
+    env.pop("DTORCH_ABORT_ON_EXCEPTION", None)
+    proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable, script], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
+    ended = time.time()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "uncaught RuntimeError on rank 1 of 2; aborting the whole job" in out, out
+    assert "planted failure on rank 1" in out and "Traceback" in out, out
+    assert "rank 0 was not stopped" not in out, out
+    raised = float(out.split("RAISING AT ")[1].split()[0])
+    print(f"exception to end of job: {ended - raised:.2f} s")
+    assert ended - raised < 20, f"the job took {ended - raised:.1f}s to end after the exception"
+
+
+def test_abort_on_exception_can_be_turned_off() -> None:
+    """DTORCH_ABORT_ON_EXCEPTION=0: the hook is not installed (rank 0 stays in its collective
+    until the launcher's own timeout ends it)."""
+    code = ("import dtorch_mpi as dt, dtorch_mpi.abort as a; m = dt.init_device_mesh('cpu', (2,)); "
+            "import sys; sys.stdout.write(f'installed={a.installed()}\\n'); m.free()")
+    for value, want in (("0", "installed=False"), ("1", "installed=True")):
+        env = _this_checkout(dict(os.environ, DTORCH_ABORT_ON_EXCEPTION=value))
+        proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable, "-c", code], env=env,
+                              capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
+        assert proc.returncode == 0 and proc.stdout.count(want) == 2, proc.stdout + proc.stderr

@@ -83,3 +83,26 @@ def test_normal_matches_the_normal_cdf() -> None:
     assert d < 1.63 / np.sqrt(n), f"Kolmogorov-Smirnov D = {d:.5f}"  # 1% level
     tail = np.mean(np.abs(z) > 3.6541528853610088)  # the Ziggurat's tail region
     assert abs(tail - 2.5806e-4) < 1.2e-4, tail
+
+
+@pytest.mark.mpi(min_size=2)
+def test_debug_mode_catches_divergent_random_state(mesh1d: dt.DeviceMesh) -> None:
+    from conftest import RANK
+
+    from dtorch_mpi.comm.config import set_spmd_debug, spmd_debug
+
+    before = spmd_debug()
+    set_spmd_debug(True)
+    try:
+        dt.manual_seed(5 if RANK == 0 else 6)
+        with pytest.raises(dt.SPMDDivergenceError, match=r"randn \(DTORCH_SPMD_DEBUG=1\): ranks disagree on random state \(seed, calls\): rank 0: \(5, 0\); rank 1: \(6, 0\)"):
+            dt.randn(4, device_mesh=mesh1d)
+        dt.manual_seed(5)
+        if RANK == 1:
+            rnd.next_key()  # one extra random call on one rank
+        with pytest.raises(dt.SPMDDivergenceError, match=r"rank 0: \(5, 0\); rank 1: \(5, 1\)"):
+            dt.rand(4, device_mesh=mesh1d)
+        dt.manual_seed(5)
+        assert dt.rand(4, device_mesh=mesh1d, placements=[dt.Shard(0)]).to_torch().shape == (4,)
+    finally:
+        set_spmd_debug(before)
