@@ -102,6 +102,11 @@ class DTensor:
         """Mark this leaf as needing gradients (in place); returns self."""
         if self._grad_fn is not None and not requires_grad:
             raise RuntimeError("requires_grad can only be cleared on a leaf; use detach() instead")
+        if requires_grad and self.dtype.kind not in "fc":
+            raise TypeError(
+                f"only floating or complex tensors can require gradients, this one is {self.dtype}; "
+                f"cast it first (x.astype(np.float32))"
+            )
         self._requires_grad = bool(requires_grad)
         return self
 
@@ -256,6 +261,7 @@ class DTensor:
         *,
         shape: Sequence[int] | None = None,
         run_check: bool = False,
+        requires_grad: bool = False,
     ) -> "DTensor":
         """Wrap this rank's piece; every rank of the mesh calls it with its own piece.
 
@@ -269,13 +275,16 @@ class DTensor:
         none is left waiting here; the abort-on-exception hook ends the job if it goes
         uncaught). ``run_check=True`` makes the same check an agreed error on every rank.
         ``DTORCH_SPMD_DEBUG=1`` checks every call, and checks first that every world rank
-        makes it on the same mesh.
+        makes it on the same mesh. ``requires_grad=True`` makes the result a leaf that collects
+        a gradient; the piece itself records nothing (docs/autograd.md).
         """
         mesh = device_mesh
         debug_check_mesh(mesh, "from_local")
         if shape is not None and not run_check and not spmd_debug():
-            return _from_local_trusted(local, mesh, placements, shape)
-        return _from_local_checked(local, mesh, placements, shape)
+            out = _from_local_trusted(local, mesh, placements, shape)
+        else:
+            out = _from_local_checked(local, mesh, placements, shape)
+        return out.requires_grad_(requires_grad)
 
 
 class GatherHandle:

@@ -74,12 +74,12 @@ def _factory_args(dtype: Any, device_mesh: DeviceMesh | None, placements: Any) -
 
 
 def full(shape: Sequence[int] | int, fill_value: Any, *, dtype: Any = None,
-         device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
+         device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     """A DTensor of ``fill_value``; each rank allocates only its piece."""
     dims = _parse_shape((shape,))
     dt, mesh, plc = _factory_args(
         dtype if dtype is not None else _infer_fill_dtype(fill_value), device_mesh, placements)
-    return _build(dims, dt, mesh, plc, lambda s, o, xp: xp.full(s, fill_value, dtype=dt))
+    return _build(dims, dt, mesh, plc, lambda s, o, xp: xp.full(s, fill_value, dtype=dt)).requires_grad_(requires_grad)
 
 
 def _infer_fill_dtype(value: Any) -> np.dtype | None:
@@ -94,26 +94,26 @@ def _infer_fill_dtype(value: Any) -> np.dtype | None:
 
 
 def zeros(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
-          placements: Sequence[Placement] | None = None) -> DTensor:
+          placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
-    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.zeros(s, dtype=dt))
+    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.zeros(s, dtype=dt)).requires_grad_(requires_grad)
 
 
 def ones(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
-         placements: Sequence[Placement] | None = None) -> DTensor:
+         placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
-    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.ones(s, dtype=dt))
+    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.ones(s, dtype=dt)).requires_grad_(requires_grad)
 
 
 def empty(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
-          placements: Sequence[Placement] | None = None) -> DTensor:
+          placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     """Uninitialised pieces (Partial pieces off coordinate 0 hold the identity, as for all)."""
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
-    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.empty(s, dtype=dt))
+    return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.empty(s, dtype=dt)).requires_grad_(requires_grad)
 
 
 def arange(start: Any, stop: Any = None, step: Any = 1, *, dtype: Any = None,
-           device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None) -> DTensor:
+           device_mesh: DeviceMesh | None = None, placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     """``numpy.arange`` as a 1-D DTensor (dtype inferred from the arguments like NumPy)."""
     if stop is None:
         start, stop = 0, start
@@ -127,29 +127,29 @@ def arange(start: Any, stop: Any = None, step: Any = 1, *, dtype: Any = None,
         idx = xp.arange(o[0], o[0] + s[0], dtype=np.float64 if dt.kind == "f" or inferred.kind == "f" else np.int64)
         return (start + idx * step).astype(dt)
 
-    return _build((length,), dt, mesh, plc, fill)
+    return _build((length,), dt, mesh, plc, fill).requires_grad_(requires_grad)
 
 
 def rand(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
-         placements: Sequence[Placement] | None = None) -> DTensor:
+         placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     """Uniform [0, 1) values, the same global value for any mesh and placements."""
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     _require_float(dt, "rand")
     dims = _parse_shape(shape)
     key = _random_key(mesh, "rand")
     return _build(dims, dt, mesh, plc,
-                  lambda s, o, xp: _random.uniform(key, dims, s, o, dt, xp))
+                  lambda s, o, xp: _random.uniform(key, dims, s, o, dt, xp)).requires_grad_(requires_grad)
 
 
 def randn(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
-          placements: Sequence[Placement] | None = None) -> DTensor:
+          placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     """Standard normal values, the same global value for any mesh and placements."""
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     _require_float(dt, "randn")
     dims = _parse_shape(shape)
     key = _random_key(mesh, "randn")
     return _build(dims, dt, mesh, plc,
-                  lambda s, o, xp: _random.normal(key, dims, s, o, dt, xp))
+                  lambda s, o, xp: _random.normal(key, dims, s, o, dt, xp)).requires_grad_(requires_grad)
 
 
 def _random_key(mesh: DeviceMesh, call: str) -> int:
@@ -178,6 +178,7 @@ def distribute_tensor(
     placements: Sequence[Placement],
     *,
     src_data_rank: int | None = 0,
+    requires_grad: bool = False,
 ) -> DTensor:
     """Turn a complete array into a DTensor; each rank receives only its piece.
 
@@ -188,8 +189,14 @@ def distribute_tensor(
     never alias ``array``. One small all-gather first agrees ``src_data_rank``, the mesh, the
     placements and the array's shape and dtype across the mesh: a difference raises on every
     rank (``SPMDDivergenceError``, ``ShapeMismatchError``). A rank outside the mesh makes an
-    empty piece from ``array``'s shape and dtype without communicating.
+    empty piece from ``array``'s shape and dtype without communicating. ``requires_grad=True``
+    makes the result a leaf that collects a gradient (see docs/autograd.md).
     """
+    return _distribute(array, device_mesh, placements, src_data_rank).requires_grad_(requires_grad)
+
+
+def _distribute(array: Any, device_mesh: DeviceMesh, placements: Sequence[Placement],
+                src_data_rank: int | None) -> DTensor:
     mesh = device_mesh
     debug_check_mesh(mesh, "distribute_tensor")
     if mesh.get_coordinate() is None:

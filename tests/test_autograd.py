@@ -412,3 +412,19 @@ def test_no_grad_detach_and_second_backward(mesh1d: dt.DeviceMesh) -> None:
     w += 1  # w does not require grad, but mul saved it
     with pytest.raises(RuntimeError, match="modified in place"):
         loss.backward()
+
+
+def test_requires_grad_keyword_on_every_constructor(mesh1d: dt.DeviceMesh) -> None:
+    kw = {"device_mesh": mesh1d, "placements": [dt.Shard(0)], "requires_grad": True}
+    made = [dt.zeros(SIZE + 1, 2, **kw), dt.ones(SIZE + 1, 2, **kw), dt.empty(SIZE + 1, 2, **kw),
+            dt.full((SIZE + 1, 2), 1.5, **kw), dt.rand(SIZE + 1, 2, **kw), dt.randn(SIZE + 1, 2, **kw),
+            dt.arange(0.0, SIZE + 1.0, **kw),
+            dt.distribute_tensor(np.ones((SIZE + 1, 2)), mesh1d, [dt.Shard(0)], requires_grad=True),
+            dt.DTensor.from_local(np.ones((1, 2)), mesh1d, [R], requires_grad=True)]
+    assert all(t.requires_grad and t.is_leaf and t.grad is None for t in made)
+    assert not dt.zeros(3, device_mesh=mesh1d, placements=[R]).requires_grad
+    with pytest.raises(TypeError, match="only floating or complex tensors"):
+        dt.arange(3, device_mesh=mesh1d, placements=[R], requires_grad=True)
+    loss = (made[0] * made[0]).sum() + (made[1] * made[1]).sum()
+    loss.backward()
+    np.testing.assert_allclose(made[1].grad.to_torch(), 2 * np.ones((SIZE + 1, 2)))
