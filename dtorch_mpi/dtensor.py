@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._mpi import library_world
-from .autograd.function import record_redistribute
-from .autograd.grad_mode import _GradMode
+from .autograd.grad_mode import _GradMode, note_requires_grad
 from .comm.config import spmd_debug
 from .dtypes import check_dtype, dtype_code, dtype_from_code, reduction_op, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
@@ -44,7 +43,7 @@ class DTensor:
     ``to_local()`` is this rank's piece (no copy); ``to_torch()`` gathers the complete value.
     """
 
-    __slots__ = ("_local", "_spec", "_pending", "_requires_grad", "_grad_fn", "_grad_acc", "grad", "_version",
+    __slots__ = ("_local", "_spec", "_pending", "_requires_grad", "_grad_fn", "_grad_acc", "_grad", "_version",
                  "__weakref__")
 
     def __init__(self, local: Any, spec: DTensorSpec, *, _pending: CompiledHandle | None = None):
@@ -53,11 +52,9 @@ class DTensor:
         self._pending = _pending
         self._requires_grad = False
         self._grad_fn: Any = None
-        self._grad_acc: Any = None
-        self.grad: DTensor | None = None
-        """The accumulated gradient (a DTensor on the same mesh), None before the first backward."""
-        self._version = 0
-        """Bumped by every in-place op, so backward can refuse values changed after saving."""
+        # set lazily (every operator result is built here, so the hot path stays short):
+        # _grad (see .grad), _grad_acc (a leaf's accumulator, autograd/graph.py) and _version
+        # (bumped by every in-place op, so backward can refuse values changed after saving)
 
     # --- metadata -------------------------------------------------------------------------
     @property
@@ -108,7 +105,18 @@ class DTensor:
                 f"cast it first (x.astype(np.float32))"
             )
         self._requires_grad = bool(requires_grad)
+        if requires_grad:
+            note_requires_grad()
         return self
+
+    @property
+    def grad(self) -> "DTensor | None":
+        """The accumulated gradient (a DTensor on the same mesh), None before the first backward."""
+        return getattr(self, "_grad", None)
+
+    @grad.setter
+    def grad(self, value: "DTensor | None") -> None:
+        self._grad = value
 
     @property
     def is_leaf(self) -> bool:
@@ -232,6 +240,8 @@ class DTensor:
         else:
             out = DTensor(run_compiled(self.to_local(), plan), plan.out_spec)
         if self._requires_grad and _GradMode.enabled:
+            from .autograd.function import record_redistribute
+
             record_redistribute(self, out)
         return out
 

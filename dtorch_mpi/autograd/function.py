@@ -11,27 +11,31 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..placement import Partial, Placement, Replicate, Shard
-from .grad_mode import _GradMode
 from .graph import attach
 from .kernels import Backward
 from .rules import DIFFERENTIABLE_PARTIALS, grad_placement, no_gradient
 
 if TYPE_CHECKING:
-    from ..dtensor import DTensor
     from ..ops.dispatch import OpPlan
     from ..spec import DTensorSpec
 
 
 def needs_recording(operands: Sequence[Any]) -> bool:
-    """True when grad mode is on and some operand requires grad."""
-    return _GradMode.enabled and any(getattr(t, "_requires_grad", False) for t in operands)
+    """True when some operand requires grad (the caller tests grad mode first)."""
+    return any(isinstance(t, DTensor) and t._requires_grad for t in operands)
+
+
+def version_of(t: "DTensor") -> int:
+    """How many in-place ops changed ``t`` (0 until the first)."""
+    return getattr(t, "_version", 0)
 
 
 def differentiable(t: Any) -> bool:
     """A DTensor operand that requires grad and has a floating dtype."""
-    return getattr(t, "_requires_grad", False) and t.dtype.kind in "fc"
+    return isinstance(t, DTensor) and t._requires_grad and t.dtype.kind in "fc"
 
 
 def unbroadcast(g: Any, shape: tuple[int, ...], xp: Any) -> Any:
@@ -100,14 +104,14 @@ def record_op(op: str, bw: Backward, plan: "OpPlan", operands: Sequence[Any], in
     xp = plan.xp
     saved_inputs = tuple(inputs) if bw.saves_inputs else ()
     saved_out = out.to_local() if bw.saves_output else None
-    versions = tuple((t, t._version) for t in operands if hasattr(t, "_version")) if bw.saves_inputs else ()
+    versions = tuple((t, version_of(t)) for t in operands if isinstance(t, DTensor)) if bw.saves_inputs else ()
     out_spec = out.spec
 
     def backward(grad: "DTensor") -> list["DTensor | None"]:
         from ..dtensor import DTensor
 
         for t, version in versions:
-            if t._version != version:
+            if version_of(t) != version:
                 raise RuntimeError(
                     f"{op} backward: an input was modified in place after {op} saved it for "
                     f"backward; use the out-of-place form (e.g. x = x + y instead of x += y)"

@@ -7,6 +7,23 @@ from types import TracebackType
 
 class _GradMode:
     enabled = True
+    """Grad mode (``no_grad()`` turns it off)."""
+    seen = False
+    """Some tensor has required grad in this process (an inference-only program never records)."""
+    recording = False
+    """``enabled and seen``: the one flag the operator hot path tests."""
+
+    @classmethod
+    def set(cls, enabled: bool | None = None, seen: bool | None = None) -> None:
+        cls.enabled = cls.enabled if enabled is None else enabled
+        cls.seen = cls.seen or bool(seen)
+        cls.recording = cls.enabled and cls.seen
+
+
+def note_requires_grad() -> None:
+    """Called whenever a tensor starts requiring grad: from now on operators check operands."""
+    if not _GradMode.seen:
+        _GradMode.set(seen=True)
 
 
 def is_grad_enabled() -> bool:
@@ -21,11 +38,11 @@ class _SetGradMode:
 
     def __enter__(self) -> None:
         self._previous = _GradMode.enabled
-        _GradMode.enabled = self._enabled
+        _GradMode.set(enabled=self._enabled)
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        _GradMode.enabled = self._previous
+        _GradMode.set(enabled=self._previous)
 
 
 def no_grad() -> _SetGradMode:

@@ -73,7 +73,7 @@ def edge(t: Any) -> Node | None:
         return None
     if t._grad_fn is not None:
         return t._grad_fn
-    acc = t._grad_acc  # one per leaf, so a leaf's contributions are summed before .grad
+    acc = getattr(t, "_grad_acc", None)  # one per leaf: its contributions sum before .grad
     if acc is None:
         acc = t._grad_acc = AccumulateGrad(t)
     return acc

@@ -6,6 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ..autograd.grad_mode import note_requires_grad
 from ..dtensor import DTensor
 
 
@@ -19,6 +20,8 @@ class Parameter(DTensor):
             raise TypeError(f"Parameter wraps a DTensor, got {type(data).__name__}")
         super().__init__(data.to_local(), data.spec)
         self._requires_grad = bool(requires_grad)
+        if requires_grad:
+            note_requires_grad()
 
     def _replace(self, local: Any, spec: Any) -> None:
         """Point this parameter at a new piece and spec (used by parallel styles)."""

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..autograd.function import needs_recording, record_op
+from ..autograd.function import needs_recording, record_op, version_of
 from ..autograd.grad_mode import _GradMode
 from ..dtensor import DTensor
 from ..errors import PlacementError
@@ -81,7 +81,7 @@ def finish(op: Op, plan: OpPlan, operands: Sequence[Any], inputs: Sequence[Any],
     Autograd records here when some operand requires grad (one flag test otherwise).
     """
     result = DTensor(out, plan.out_spec(out.dtype))
-    if _GradMode.enabled and op.backward is not None and needs_recording(operands):
+    if _GradMode.recording and op.backward is not None and needs_recording(operands):
         record_op(op.name, op.backward, plan, operands, inputs, result, params)
     return result
 
@@ -212,7 +212,7 @@ def apply_inplace(op: Op, target: DTensor, other: Any) -> DTensor:
     local = target.to_local()
     rhs = _prepared(other, specs[1], plan.prepare[1])
     plan.kernel(local, rhs, out=local, casting="same_kind")
-    target._version += 1
+    target._version = version_of(target) + 1  # type: ignore[attr-defined]
     return target
 
 
