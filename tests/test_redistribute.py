@@ -231,3 +231,22 @@ def test_large_uneven_gather_takes_the_padded_route(mesh1d: dt.DeviceMesh, monke
     assert np.array_equal(y.to_torch(), full)
     if SIZE > 1:
         assert c.records[0].padded == (dt.comm.comm_path() in ("auto", "padded"))
+
+
+def test_dropping_async_results_before_waiting_is_safe(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """Issue 12 item 1: MPI keeps writing into a dropped async result's buffers; the in-flight
+    registry keeps them alive (this loop corrupted the heap at 2 and 3 ranks)."""
+    from dtorch_mpi.comm import work
+
+    full = np.arange(64000.0).reshape(1000, 64)
+    x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
+    for _ in range(50):
+        y = x.redistribute(placements=[dt.Replicate()], async_op=True)
+        del y
+        x.to_torch_async()  # a gather handle dropped unwaited
+        z = x.redistribute(placements=[dt.Shard(1)])
+    gc.collect()
+    work.drain()
+    check.true(work.in_flight() == 0, f"{work.in_flight()} requests still in flight after drain()")
+    check.equal(z.to_torch(), full, "blocking redistribute after dropped async ones")
+    check.done()

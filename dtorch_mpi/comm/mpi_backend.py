@@ -21,7 +21,7 @@ from .config import comm_path, spmd_debug
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
-from .work import Work, completed, moves_nothing
+from .work import Work, completed, moves_nothing, reap
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -126,6 +126,7 @@ class MPIBackend:
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
     ) -> Work:
+        reap()
         _sync_device(keep)
         if async_op:
             return Work(nonblocking(), finish, keep)
