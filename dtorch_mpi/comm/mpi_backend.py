@@ -21,6 +21,7 @@ from .config import comm_path, spmd_debug
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
+from .routes import Route, all_to_all_route, gather_route
 from .work import Work, completed, moves_nothing, reap
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
@@ -53,7 +54,7 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
     return _cached_type(("vec", itemsize, outer, block, stride), make)
 
 
-_DEBUG_BYTES = 240
+_DEBUG_BYTES = 512
 
 PADDED_GATHER_BYTES = 32 << 20
 """``auto`` path: from this output size on, an uneven contiguous gather uses the padded
@@ -144,23 +145,20 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
-        if spmd_debug():
-            check_same_call(group, _describe("all_gather", out, axis=axis))
         m = group.size
-        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
+        outer, length, inner = view3(out.shape, axis)
+        route = gather_route(comm_path(), sizes, outer, out.nbytes, PADDED_GATHER_BYTES)
+        if spmd_debug():
+            check_same_call(group, _describe("all_gather", out, axis=axis, sizes=tuple(sizes), mpi=route.value))
+        if (done := moves_nothing(m, send, out, route is Route.NOTHING)) is not None:
             return done
         send = _contiguous(send)
-        outer, length, inner = view3(out.shape, axis)
         item = out.dtype.itemsize
         etype = element_type(item)
         offs = offsets(sizes)
-        padded = comm_path() == "padded"
-        even = len(set(sizes)) == 1
-        padded_route = not even and (padded or (outer == 1 and comm_path() == "auto"
-                                                and out.nbytes >= PADDED_GATHER_BYTES))
-        record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes, padded_route, async_op)
+        record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes, route.padded, async_op)
         comm = group.comm
-        if even and outer == 1:
+        if route is Route.GATHER_EQUAL:
             count = sizes[0] * inner
             return self._run(
                 async_op,
@@ -168,9 +166,9 @@ class MPIBackend:
                 lambda: comm.Iallgather([send, count, etype], [out, count, etype]),
                 lambda: out, (send, out),
             )
-        if not even and outer == 1 and (padded or (comm_path() == "auto" and out.nbytes >= PADDED_GATHER_BYTES)):
+        if route is Route.GATHER_PADDED_COMPACT:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
-        if padded and not even:
+        if route is Route.GATHER_PADDED_STRIDED:
             mx = max(sizes)
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
@@ -192,7 +190,7 @@ class MPIBackend:
                 lambda: comm.Iallgather([pad_send, count, etype], [pad_out, rcount, rtype]),
                 finish, (pad_send, pad_out, out),
             )
-        if outer == 1:
+        if route is Route.GATHER_V:
             counts = [n * inner for n in sizes]
             displs = [o * inner for o in offs]
             spec = [out, (counts, displs), etype]
@@ -261,10 +259,12 @@ class MPIBackend:
     ) -> Work:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
+        m, me = group.size, group.rank
+        route = all_to_all_route(comm_path(), send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
         if spmd_debug():
             check_same_call(group, _describe("all_to_all", None, split=split_axis, concat=concat_axis,
-                                             dtype=out.dtype))
-        m, me = group.size, group.rank
+                                             dtype=out.dtype, split_sizes=tuple(split_sizes),
+                                             concat_sizes=tuple(concat_sizes), mpi=route.value))
         if (done := moves_nothing(m, send, out)) is not None:
             return done
         send = _contiguous(send)
@@ -273,11 +273,11 @@ class MPIBackend:
         s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
         own_send = send.nbytes // max(send.shape[split_axis], 1) * split_sizes[me] if send.size else 0
         own_recv = out.nbytes // max(out.shape[concat_axis], 1) * concat_sizes[me] if out.size else 0
-        padded = comm_path() == "padded"
         record("all_to_all", group.mesh_dim, send.nbytes - own_send, out.nbytes - own_recv,
-               padded, async_op)
-        if _all_to_all_is_empty(send.shape, split_axis, split_sizes, concat_axis, concat_sizes):
-            return completed(out)  # decided from group-wide sizes, so every rank skips together
+               route.padded, async_op)
+        if route is Route.NOTHING:
+            return completed(out)
+        padded = route is Route.A2A_PADDED
         comm = group.comm
         send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
         recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
@@ -312,8 +312,7 @@ class MPIBackend:
                 lambda: comm.Ialltoall([pack, width, etype], [unpack, width, etype]),
                 finish, (pack, unpack, send, out),
             )
-        if len(set(send_counts)) == 1 and send_counts == recv_counts:
-            # equal blocks: MPICH's Alltoall is 1.3-2x faster than its Alltoallv
+        if route is Route.A2A_EQUAL:
             n = send_counts[0]
             return self._run(
                 async_op,
@@ -337,7 +336,7 @@ class MPIBackend:
     ) -> Work:
         """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
         if spmd_debug():
-            check_same_call(group, _describe("all_reduce", out, op=reduce_op))
+            check_same_call(group, _describe("all_reduce", out, op=reduce_op, mpi="Allreduce"))
         m = group.size
         if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
             return done
@@ -374,7 +373,9 @@ class MPIBackend:
     ) -> Work:
         """Reduce every rank's ``send``; rank ``i`` keeps block ``i`` along ``axis`` in ``out``."""
         if spmd_debug():
-            check_same_call(group, _describe("reduce_scatter", send, axis=axis, op=reduce_op))
+            block = comm_path() == "padded" and len(set(sizes)) > 1
+            check_same_call(group, _describe("reduce_scatter", send, axis=axis, op=reduce_op, sizes=tuple(sizes),
+                                             mpi="Reduce_scatter_block" if block else "Reduce_scatter"))
         m, me = group.size, group.rank
         if (done := moves_nothing(m, send, out)) is not None:
             return done
@@ -419,7 +420,7 @@ class MPIBackend:
     def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
         """Copy ``buf`` from group rank ``root`` to every rank, in place."""
         if spmd_debug():
-            check_same_call(group, _describe("broadcast", buf, root=root))
+            check_same_call(group, _describe("broadcast", buf, root=root, mpi="Bcast"))
         if (done := moves_nothing(group.size, buf, buf, buf.size == 0)) is not None:
             return done
         me = group.rank
@@ -446,7 +447,8 @@ class MPIBackend:
     ) -> Work:
         """Rank ``i`` receives block ``i`` along ``axis`` of the root's ``send``."""
         if spmd_debug():
-            check_same_call(group, _describe("scatter", None, axis=axis, root=root, dtype=out.dtype))
+            check_same_call(group, _describe("scatter", None, axis=axis, root=root, dtype=out.dtype, sizes=tuple(sizes),
+                                             mpi="Scatter" if comm_path() == "padded" else "Scatterv"))
         m, me = group.size, group.rank
         if (done := moves_nothing(m, send, out)) is not None:
             return done
@@ -509,15 +511,6 @@ def _global_block(
     if concat_axis != split_axis:
         shape[concat_axis] = max(concat_sizes)
     return prod(shape)
-
-
-def _all_to_all_is_empty(
-    send_shape: tuple[int, ...], split_axis: int, split_sizes: Sequence[int],
-    concat_axis: int, concat_sizes: Sequence[int],
-) -> bool:
-    """True when no rank of the group has anything to send (the same answer on every rank)."""
-    others = [n for i, n in enumerate(send_shape) if i not in (split_axis, concat_axis)]
-    return prod(others) == 0 or sum(split_sizes) == 0 or sum(concat_sizes) == 0
 
 
 def _divide(buf: np.ndarray, m: int) -> None:
