@@ -309,6 +309,11 @@ class NCCLBackend:
             op = {"sum": nccl.NCCL_MAX, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN, "avg": nccl.NCCL_MAX}[reduce_op]
         self._nccl(group).allReduce(src.data.ptr, dst.data.ptr, src.size,
                                     getattr(nccl, NCCL_TYPES[wire.name]), op, self._stream())
+        if reduce_op in ("max", "min") and out.dtype.kind == "f":  # NCCL max/min drop NaN; NumPy keeps it
+            nan = cupy.isnan(src).astype(np.uint8)
+            self._nccl(group).allReduce(nan.data.ptr, nan.data.ptr, nan.size, nccl.NCCL_UINT8, nccl.NCCL_MAX,
+                                        self._stream())
+            dst[nan.astype(bool)] = np.nan
         if reduce_op == "avg":
             dst = dst // m if dst.dtype.kind in "iu" else dst / m
         out[...] = (dst.view(out.dtype) if out.dtype.kind == "c" else dst.astype(out.dtype)).reshape(out.shape)

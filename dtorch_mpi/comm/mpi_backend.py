@@ -16,11 +16,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..dtypes import WIDENED, element_type, reduction_op, reduction_type
+from ..dtypes import WIDENED, element_type, reduction_type
 from .config import comm_path, spmd_debug
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
+from .reduce_ops import nan_aware_op
 from .routes import Route, all_to_all_route, gather_route
 from .work import Work, completed, moves_nothing, reap
 
@@ -344,7 +345,7 @@ class MPIBackend:
         wide = WIDENED.get(out.dtype)
         src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
         dst = out if wide is None else _xp(out).empty(out.shape, dtype=wide)
-        mtype, op = reduction_type(dst.dtype), reduction_op(dst.dtype, reduce_op)
+        mtype, op = reduction_type(dst.dtype), nan_aware_op(dst.dtype, reduce_op, _xp(out) is np)
         comm = group.comm
 
         def finish() -> np.ndarray:
@@ -386,7 +387,7 @@ class MPIBackend:
             return completed(out)
         wide = WIDENED.get(out.dtype)
         dtype = wide or out.dtype
-        mtype, op = reduction_type(dtype), reduction_op(dtype, reduce_op)
+        mtype, op = reduction_type(dtype), nan_aware_op(dtype, reduce_op, _xp(out) is np)
         padded = comm_path() == "padded" and len(set(sizes)) > 1
         width = max(sizes) if padded else None
         src3 = _contiguous(send).reshape(outer, length, inner)
