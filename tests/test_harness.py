@@ -52,3 +52,11 @@ def test_spmd_debug_mode_names_a_planted_divergence() -> None:
     assert rc == 0, out
     assert "group rank 0: all_gather" in out and "group rank 1: all_to_all" in out, out
     assert elapsed < 60
+
+
+def test_a_skipped_collective_raises_collective_timeout_error() -> None:
+    rc, out, elapsed = _launch("case_collective_timeout.py", ["--timeout=60", "-s"], 120,
+                               DTORCH_COLLECTIVE_TIMEOUT="3")
+    assert rc == 0, out
+    assert "CollectiveTimeoutError" in out or "did not complete within DTORCH_COLLECTIVE_TIMEOUT=3s" in out, out
+    assert elapsed < 60

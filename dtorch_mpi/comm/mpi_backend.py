@@ -19,6 +19,7 @@ from mpi4py import MPI
 from ..dtypes import WIDENED, element_type, reduction_type
 from .config import comm_path, spmd_debug
 from .counter import record
+from .deadline import collective_timeout
 from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
@@ -122,16 +123,20 @@ class MPIBackend:
     # -- helpers -------------------------------------------------------------------------
     @staticmethod
     def _run(
+        what: str,
         async_op: bool,
         blocking: Callable[[], None],
         nonblocking: Callable[[], MPI.Request],
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
     ) -> Work:
+        """Start the collective: nonblocking when asked, or when the deadline is on (then
+        waited here, bounded by it); a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
         reap()
         _sync_device(keep)
-        if async_op:
-            return Work(nonblocking(), finish, keep)
+        if async_op or collective_timeout() > 0:
+            work = Work(nonblocking(), finish, keep, what)
+            return work if async_op else _waited(work)
         blocking()
         return Work(None, finish)
 
@@ -162,6 +167,7 @@ class MPIBackend:
         if route is Route.GATHER_EQUAL:
             count = sizes[0] * inner
             return self._run(
+                _what("all_gather", group),
                 async_op,
                 lambda: comm.Allgather([send, count, etype], [out, count, etype]),
                 lambda: comm.Iallgather([send, count, etype], [out, count, etype]),
@@ -186,6 +192,7 @@ class MPIBackend:
                 return out
 
             return self._run(
+                _what("all_gather", group),
                 async_op,
                 lambda: comm.Allgather([pad_send, count, etype], [pad_out, rcount, rtype]),
                 lambda: comm.Iallgather([pad_send, count, etype], [pad_out, rcount, rtype]),
@@ -196,6 +203,7 @@ class MPIBackend:
             displs = [o * inner for o in offs]
             spec = [out, (counts, displs), etype]
             return self._run(
+                _what("all_gather", group),
                 async_op,
                 lambda: comm.Allgatherv([send, send.size, etype], spec),
                 lambda: comm.Iallgatherv([send, send.size, etype], spec),
@@ -208,6 +216,7 @@ class MPIBackend:
         sspec = [send, ([send.size] * m, [0] * m), [etype] * m]
         rspec = [out, (rcounts, rdispls), rtypes]
         return self._run(
+            _what("all_gather", group),
             async_op,
             lambda: comm.Alltoallw(sspec, rspec),
             lambda: comm.Ialltoallw(sspec, rspec),
@@ -240,6 +249,7 @@ class MPIBackend:
             return buf[:at].reshape(out.shape)
 
         return self._run(
+            _what("all_gather", group),
             async_op,
             lambda: comm.Allgather([pad_send, mx, etype], [buf, mx, etype]),
             lambda: comm.Iallgather([pad_send, mx, etype], [buf, mx, etype]),
@@ -308,6 +318,7 @@ class MPIBackend:
 
         if padded:
             return self._run(
+                _what("all_to_all", group),
                 async_op,
                 lambda: comm.Alltoall([pack, width, etype], [unpack, width, etype]),
                 lambda: comm.Ialltoall([pack, width, etype], [unpack, width, etype]),
@@ -316,6 +327,7 @@ class MPIBackend:
         if route is Route.A2A_EQUAL:
             n = send_counts[0]
             return self._run(
+                _what("all_to_all", group),
                 async_op,
                 lambda: comm.Alltoall([pack, n, etype], [unpack, n, etype]),
                 lambda: comm.Ialltoall([pack, n, etype], [unpack, n, etype]),
@@ -324,6 +336,7 @@ class MPIBackend:
         sspec = [pack, (send_counts, send_at), etype]
         rspec = [unpack, (recv_counts, recv_at), etype]
         return self._run(
+            _what("all_to_all", group),
             async_op,
             lambda: comm.Alltoallv(sspec, rspec),
             lambda: comm.Ialltoallv(sspec, rspec),
@@ -356,6 +369,7 @@ class MPIBackend:
             return out
 
         return self._run(
+            _what("all_reduce", group),
             async_op,
             lambda: comm.Allreduce([src, mtype], [dst, mtype], op=op),
             lambda: comm.Iallreduce([src, mtype], [dst, mtype], op=op),
@@ -415,7 +429,7 @@ class MPIBackend:
         else:
             blocking = lambda: comm.Reduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
             nonblocking = lambda: comm.Ireduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
-        return self._run(async_op, blocking, nonblocking, finish, (pack, dst, out))
+        return self._run(_what("reduce_scatter", group), async_op, blocking, nonblocking, finish, (pack, dst, out))
 
     # -- one-to-all ----------------------------------------------------------------------
     def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
@@ -430,6 +444,7 @@ class MPIBackend:
         etype = element_type(buf.dtype.itemsize)
         comm = group.comm
         return self._run(
+            _what("broadcast", group),
             async_op,
             lambda: comm.Bcast([buf, buf.size, etype], root=root),
             lambda: comm.Ibcast([buf, buf.size, etype], root=root),
@@ -485,7 +500,17 @@ class MPIBackend:
             sspec = [pack, (counts, offsets(counts)), etype]
             blocking = lambda: comm.Scatterv(sspec, [recv, recv.size, etype], root=root)
             nonblocking = lambda: comm.Iscatterv(sspec, [recv, recv.size, etype], root=root)
-        return self._run(async_op, blocking, nonblocking, finish, (pack, recv, out))
+        return self._run(_what("scatter", group), async_op, blocking, nonblocking, finish, (pack, recv, out))
+
+
+def _what(kind: str, group: Group) -> str:
+    dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
+    return f"{kind}{dim} ({group.size} ranks)"
+
+
+def _waited(work: Work) -> Work:
+    work.wait()
+    return work
 
 
 def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dtype: Any) -> Any:

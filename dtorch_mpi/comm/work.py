@@ -29,6 +29,7 @@ class _InFlight:
 
 
 _IN_FLIGHT: set[_InFlight] = set()
+_ABANDONED: list[_InFlight] = []  # timed out: MPI may still write into these buffers, so never freed
 
 
 def in_flight() -> int:
@@ -51,7 +52,7 @@ def drain() -> None:
         try:
             wait_request(entry.request, "a dropped nonblocking collective (at exit)")
         except Exception:
-            continue  # timed out: leave its buffers alive, MPI may still write into them
+            _ABANDONED.append(entry)  # timed out: MPI may still write into its buffers
         _IN_FLIGHT.discard(entry)
 
 
@@ -103,8 +104,14 @@ class Work:
         if not self._finished:
             from .deadline import wait_request
 
-            assert self._entry is not None
-            wait_request(self._entry.request, self._what)
+            entry = self._entry
+            assert entry is not None
+            try:
+                wait_request(entry.request, self._what)
+            except Exception:
+                _IN_FLIGHT.discard(entry)  # never completes: its buffers stay alive for good
+                _ABANDONED.append(entry)
+                raise
             self._complete()
         return self._result
 
