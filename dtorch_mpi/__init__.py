@@ -11,6 +11,7 @@ from .comm import CommCounter, CommRecord, set_comm_path
 from .dtensor import DTensor, GatherHandle
 from .errors import (
     CheckpointError,
+    CollectiveTimeoutError,
     DTensorError,
     DTypeMismatchError,
     MeshMismatchError,
@@ -37,7 +38,7 @@ _install_methods(DTensor)  # DTensor methods and operators, derived from the ope
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "CommCounter", "CommRecord", "DTensor", "DTensorError", "DTypeMismatchError",
+    "CheckpointError", "CollectiveTimeoutError", "CommCounter", "CommRecord", "DTensor", "DTensorError", "DTypeMismatchError",
     "DeviceMesh", "GatherHandle", "MeshMismatchError", "Partial", "Placement", "PlacementError",
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",

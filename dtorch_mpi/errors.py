@@ -39,6 +39,10 @@ class SPMDDivergenceError(DTensorError, RuntimeError):
     """Ranks called different collectives, or the same one with different arguments."""
 
 
+class CollectiveTimeoutError(DTensorError, TimeoutError):
+    """A collective did not complete within ``DTORCH_COLLECTIVE_TIMEOUT`` seconds."""
+
+
 ERROR_TYPES: dict[str, type[Exception]] = {
     cls.__name__: cls
     for cls in (
@@ -50,6 +54,7 @@ ERROR_TYPES: dict[str, type[Exception]] = {
         CheckpointError,
         StateDictError,
         SPMDDivergenceError,
+        CollectiveTimeoutError,
         ValueError,
         TypeError,
         KeyError,

@@ -48,3 +48,47 @@ def test_collectives_against_numpy(mesh1d: dt.DeviceMesh, async_op: bool, check:
         got = BACKEND.all_to_all(group, mine_rows, np.empty_like(mine_cols), 1, csizes, 0, rsizes, async_op).wait()
         check.equal(got, mine_cols, f"all_to_all rows={rows}")
     check.done()
+
+
+def test_route_choice_is_a_function_of_group_wide_sizes() -> None:
+    """Issue 18: the rank moving nothing in a (1, 2) Shard(0) -> Shard(1) at 3 ranks has equal
+    (zero) counts of its own; the route must still be the group's Alltoallv."""
+    from dtorch_mpi.comm.routes import Route, all_to_all_route, gather_route
+
+    assert all_to_all_route("auto", (1, 2), 1, (1, 1, 0), 0, (1, 0, 0)) is Route.A2A_V
+    assert all_to_all_route("auto", (0, 2), 1, (1, 1, 0), 0, (1, 0, 0)) is Route.A2A_V  # the empty rank
+    assert all_to_all_route("auto", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2)) is Route.A2A_EQUAL
+    assert all_to_all_route("variable", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2)) is Route.A2A_EQUAL
+    assert all_to_all_route("padded", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2)) is Route.A2A_PADDED
+    assert all_to_all_route("auto", (1, 0, 2), 2, (1, 1, 0), 0, (1, 0, 0)) is Route.NOTHING
+    assert all_to_all_route("auto", (3, 0), 1, (0, 0, 0), 0, (1, 1, 1)) is Route.NOTHING
+    big = 1 << 30
+    assert gather_route("auto", (2, 2), 1, 64, big) is Route.GATHER_EQUAL
+    assert gather_route("auto", (2, 2), 3, 64, big) is Route.GATHER_W
+    assert gather_route("auto", (2, 1), 1, 64, big) is Route.GATHER_V
+    assert gather_route("auto", (2, 1), 1, 64, 64) is Route.GATHER_PADDED_COMPACT
+    assert gather_route("variable", (2, 1), 1, 64, 64) is Route.GATHER_V
+    assert gather_route("padded", (2, 1), 1, 64, big) is Route.GATHER_PADDED_COMPACT
+    assert gather_route("padded", (2, 1), 3, 64, big) is Route.GATHER_PADDED_STRIDED
+    assert gather_route("auto", (2, 1), 3, 64, big) is Route.GATHER_W
+    assert gather_route("padded", (0, 0), 1, 0, big) is Route.NOTHING
+    assert [r.call for r in (Route.GATHER_PADDED_COMPACT, Route.A2A_PADDED, Route.NOTHING)] == [
+        "Allgather", "Alltoall", None]
+
+
+@pytest.mark.skipif(SIZE == 1, reason="a divergence needs two ranks")
+def test_spmd_debug_compares_the_mpi_level_call(mesh1d: dt.DeviceMesh) -> None:
+    """Same library call on every rank, different MPI call: debug mode names it."""
+    from dtorch_mpi.comm import config
+
+    group = Group(mesh1d.get_group(0), 0)
+    sizes = [2] * SIZE if RANK == 0 else [3, 1] + [2] * (SIZE - 2)
+    send = np.zeros((sizes[RANK], 3))
+    config.set_spmd_debug(True)
+    try:
+        with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+            BACKEND.all_gather(group, send, np.empty((2 * SIZE, 3)), 0, sizes)
+    finally:
+        config.set_spmd_debug(False)
+    text = str(err.value)  # the MPI call kind and its counts (the group-wide sizes) are compared
+    assert "mpi=Allgather" in text and "sizes=(2, 2" in text and "sizes=(3, 1" in text, text

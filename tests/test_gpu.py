@@ -133,3 +133,19 @@ def test_one_body_every_array_backend(any_mesh: dt.DeviceMesh, check: Checker) -
     lin.load_state_dict({"weight": w, "bias": np.zeros(n, np.float32)})
     check.equal(to_numpy(lin.weight.to_torch()), w, "state_dict")
     check.done()
+
+
+def test_backend_facts_are_agreed_across_ranks() -> None:
+    """Issue 18 audit: a node without NCCL or with fewer GPUs must not let its ranks pick
+    another backend than the rest (one rank in NCCL while another calls MPI hangs)."""
+    from mpi4py import MPI
+
+    facts = gpu.agreed_facts(MPI.COMM_WORLD, "auto", RANK != SIZE - 1, 1 + RANK % 2, 1, RANK == 0)
+    everyone = MPI.COMM_WORLD.allgather(facts)
+    assert all(f == everyone[0] for f in everyone)
+    assert facts == (False, 1 + min(SIZE - 1, 1), 1, SIZE == 1)
+    names = MPI.COMM_WORLD.allgather(gpu.choose_backend("auto", *facts))
+    assert len(set(names)) == 1
+    if SIZE > 1:
+        with pytest.raises(ValueError, match="differs between ranks"):
+            gpu.agreed_facts(MPI.COMM_WORLD, "nccl" if RANK else "auto", True, 1, 1, False)

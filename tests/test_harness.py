@@ -90,3 +90,11 @@ def test_abort_on_exception_can_be_turned_off() -> None:
         proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable, "-c", code], env=env,
                               capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
         assert proc.returncode == 0 and proc.stdout.count(want) == 2, proc.stdout + proc.stderr
+
+
+def test_a_skipped_collective_raises_collective_timeout_error() -> None:
+    rc, out, elapsed = _launch("case_collective_timeout.py", ["--timeout=60", "-s"], 120,
+                               DTORCH_COLLECTIVE_TIMEOUT="3")
+    assert rc == 0, out
+    assert "CollectiveTimeoutError" in out or "did not complete within DTORCH_COLLECTIVE_TIMEOUT=3s" in out, out
+    assert elapsed < 60

@@ -231,3 +231,56 @@ def test_large_uneven_gather_takes_the_padded_route(mesh1d: dt.DeviceMesh, monke
     assert np.array_equal(y.to_torch(), full)
     if SIZE > 1:
         assert c.records[0].padded == (dt.comm.comm_path() in ("auto", "padded"))
+
+
+def test_dropping_async_results_before_waiting_is_safe(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """Issue 12 item 1: MPI keeps writing into a dropped async result's buffers; the in-flight
+    registry keeps them alive (this loop corrupted the heap at 2 and 3 ranks)."""
+    from dtorch_mpi.comm import work
+
+    full = np.arange(64000.0).reshape(1000, 64)
+    x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
+    for _ in range(50):
+        y = x.redistribute(placements=[dt.Replicate()], async_op=True)
+        del y
+        x.to_torch_async()  # a gather handle dropped unwaited
+        z = x.redistribute(placements=[dt.Shard(1)])
+    gc.collect()
+    work.drain()
+    check.true(work.in_flight() == 0, f"{work.in_flight()} requests still in flight after drain()")
+    check.equal(z.to_torch(), full, "blocking redistribute after dropped async ones")
+    check.done()
+
+
+def test_max_and_min_propagate_nan_like_numpy(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    """Issue 12 item 4: MPI MAX/MIN are not NaN-aware; every rank must get NumPy's answer."""
+    from mpi4py import MPI
+
+    nan = np.nan
+    for op, fn in (("max", np.max), ("min", np.min)):
+        for n in lengths_for(SIZE):
+            for where in {0, n // 2, n - 1} if n else set():
+                full = np.arange(float(n))
+                full[where] = nan
+                x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
+                got = getattr(x, op)().to_torch()
+                check.true(np.isnan(got), f"{op} of {full} over Shard(0) gave {got}")
+        for dtype in (np.float16, np.float32, np.float64):
+            piece = np.array([nan, 2.0], dtype) if RANK == 0 else np.array([5.0, nan], dtype)
+            got = dt.DTensor.from_local(piece, mesh1d, [dt.Partial(op)], shape=(2,)).to_torch()
+            want = np.array([nan, 2.0 if SIZE == 1 else nan], dtype)
+            check.equal(got, want, f"Partial({op}) {dtype.__name__}")
+            # every rank holds the same bits (the reduced value is really replicated)
+            same = MPI.COMM_WORLD.allgather(got.tobytes())
+            check.true(len(set(same)) == 1, f"Partial({op}) differs between ranks")
+            rs = dt.DTensor.from_local(piece, mesh1d, [dt.Partial(op)], shape=(2,)).redistribute(
+                placements=[dt.Shard(0)])
+            check.equal(rs.to_torch(), want, f"Partial({op}) -> Shard(0) {dtype.__name__}")
+        full = integer_full((5, 3))
+        full[1, 2] = full[4, 0] = nan
+        for plc in ([dt.Shard(0), dt.Shard(1)], [dt.Shard(1), dt.Shard(0)], [dt.Replicate(), dt.Shard(0)]):
+            x = dt.distribute_tensor(full, mesh2d, plc)
+            for dim in (0, 1):
+                got = getattr(x, op)(dim=dim).to_torch()
+                check.equal(got, fn(full, axis=dim), f"{op}(dim={dim}) over {plc}")
+    check.done()

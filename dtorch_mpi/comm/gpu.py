@@ -57,6 +57,21 @@ def mpi_is_cuda_aware() -> bool:
         return False
 
 
+def agreed_facts(world: MPI.Intracomm, requested: str, nccl_available: bool, ranks_on_node: int,
+                 gpus_on_node: int, cuda_aware_mpi: bool) -> tuple[bool, int, int, bool]:
+    """The selection facts every rank shares: NCCL and CUDA-aware MPI only where every rank
+    has them, the most crowded node's ranks and the fewest GPUs, so every rank picks the same
+    backend (one rank in NCCL while another calls MPI would hang)."""
+    code = GPU_BACKENDS.index(requested) if requested in GPU_BACKENDS else len(GPU_BACKENDS)
+    local = np.array([code, -code, -int(nccl_available), ranks_on_node, -gpus_on_node, -int(cuda_aware_mpi)],
+                     dtype=np.int64)
+    worst = np.empty_like(local)
+    world.Allreduce(local, worst, op=MPI.MAX)
+    if worst[0] != -worst[1]:
+        raise ValueError("DTORCH_GPU_BACKEND differs between ranks; set the same value on every rank")
+    return bool(-worst[2]), int(worst[3]), int(-worst[4]), bool(-worst[5])
+
+
 _backend: Any = None
 
 
@@ -72,11 +87,14 @@ def gpu_backend() -> Any:
             have_nccl = True
         except ImportError:
             have_nccl = False
-        node = library_world().Split_type(MPI.COMM_TYPE_SHARED)
+        world = library_world()
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
         ranks_on_node = node.Get_size()
         node.Free()
-        name = choose_backend(os.environ.get("DTORCH_GPU_BACKEND", "auto"), have_nccl, ranks_on_node,
-                              cupy.cuda.runtime.getDeviceCount(), mpi_is_cuda_aware())
+        requested = os.environ.get("DTORCH_GPU_BACKEND", "auto")
+        facts = agreed_facts(world, requested, have_nccl, ranks_on_node, cupy.cuda.runtime.getDeviceCount(),
+                             mpi_is_cuda_aware())
+        name = choose_backend(requested, *facts)
         _backend = {"nccl": NCCLBackend, "cuda-aware-mpi": CudaAwareMPIBackend,
                     "host-staging": HostStagingBackend}[name]()
     return _backend
@@ -291,6 +309,11 @@ class NCCLBackend:
             op = {"sum": nccl.NCCL_MAX, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN, "avg": nccl.NCCL_MAX}[reduce_op]
         self._nccl(group).allReduce(src.data.ptr, dst.data.ptr, src.size,
                                     getattr(nccl, NCCL_TYPES[wire.name]), op, self._stream())
+        if reduce_op in ("max", "min") and out.dtype.kind == "f":  # NCCL max/min drop NaN; NumPy keeps it
+            nan = cupy.isnan(src).astype(np.uint8)
+            self._nccl(group).allReduce(nan.data.ptr, nan.data.ptr, nan.size, nccl.NCCL_UINT8, nccl.NCCL_MAX,
+                                        self._stream())
+            dst[nan.astype(bool)] = np.nan
         if reduce_op == "avg":
             dst = dst // m if dst.dtype.kind in "iu" else dst / m
         out[...] = (dst.view(out.dtype) if out.dtype.kind == "c" else dst.astype(out.dtype)).reshape(out.shape)
@@ -350,6 +373,6 @@ class NCCLBackend:
         return completed(out)
 
 
-__all__ = ["CudaAwareMPIBackend", "DeviceAdapter", "HostStagingBackend", "NCCLBackend", "choose_backend",
+__all__ = ["CudaAwareMPIBackend", "DeviceAdapter", "HostStagingBackend", "NCCLBackend", "agreed_facts", "choose_backend",
            "gpu_backend", "mpi_is_cuda_aware", "nccl_wire", "padded_plan",
            "uid_from_bytes", "uid_to_bytes"]

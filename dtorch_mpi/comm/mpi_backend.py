@@ -16,12 +16,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..dtypes import WIDENED, element_type, reduction_op, reduction_type
+from ..dtypes import WIDENED, element_type, reduction_type
 from .config import comm_path, spmd_debug
 from .counter import record
+from .deadline import collective_timeout
 from .group import Group
 from .layout import offsets, view3, with_dim
-from .work import Work, completed, moves_nothing
+from .reduce_ops import nan_aware_op
+from .routes import Route, all_to_all_route, gather_route
+from .work import Work, completed, moves_nothing, reap
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -53,7 +56,7 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
     return _cached_type(("vec", itemsize, outer, block, stride), make)
 
 
-_DEBUG_BYTES = 240
+_DEBUG_BYTES = 512
 
 PADDED_GATHER_BYTES = 32 << 20
 """``auto`` path: from this output size on, an uneven contiguous gather uses the padded
@@ -120,15 +123,20 @@ class MPIBackend:
     # -- helpers -------------------------------------------------------------------------
     @staticmethod
     def _run(
+        what: str,
         async_op: bool,
         blocking: Callable[[], None],
         nonblocking: Callable[[], MPI.Request],
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
     ) -> Work:
+        """Start the collective: nonblocking when asked, or when the deadline is on (then
+        waited here, bounded by it); a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
+        reap()
         _sync_device(keep)
-        if async_op:
-            return Work(nonblocking(), finish, keep)
+        if async_op or collective_timeout() > 0:
+            work = Work(nonblocking(), finish, keep, what)
+            return work if async_op else _waited(work)
         blocking()
         return Work(None, finish)
 
@@ -143,33 +151,31 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
-        if spmd_debug():
-            check_same_call(group, _describe("all_gather", out, axis=axis))
         m = group.size
-        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
+        outer, length, inner = view3(out.shape, axis)
+        route = gather_route(comm_path(), sizes, outer, out.nbytes, PADDED_GATHER_BYTES)
+        if spmd_debug():
+            check_same_call(group, _describe("all_gather", out, axis=axis, sizes=tuple(sizes), mpi=route.value))
+        if (done := moves_nothing(m, send, out, route is Route.NOTHING)) is not None:
             return done
         send = _contiguous(send)
-        outer, length, inner = view3(out.shape, axis)
         item = out.dtype.itemsize
         etype = element_type(item)
         offs = offsets(sizes)
-        padded = comm_path() == "padded"
-        even = len(set(sizes)) == 1
-        padded_route = not even and (padded or (outer == 1 and comm_path() == "auto"
-                                                and out.nbytes >= PADDED_GATHER_BYTES))
-        record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes, padded_route, async_op)
+        record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes, route.padded, async_op)
         comm = group.comm
-        if even and outer == 1:
+        if route is Route.GATHER_EQUAL:
             count = sizes[0] * inner
             return self._run(
+                _what("all_gather", group),
                 async_op,
                 lambda: comm.Allgather([send, count, etype], [out, count, etype]),
                 lambda: comm.Iallgather([send, count, etype], [out, count, etype]),
                 lambda: out, (send, out),
             )
-        if not even and outer == 1 and (padded or (comm_path() == "auto" and out.nbytes >= PADDED_GATHER_BYTES)):
+        if route is Route.GATHER_PADDED_COMPACT:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
-        if padded and not even:
+        if route is Route.GATHER_PADDED_STRIDED:
             mx = max(sizes)
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
@@ -186,16 +192,18 @@ class MPIBackend:
                 return out
 
             return self._run(
+                _what("all_gather", group),
                 async_op,
                 lambda: comm.Allgather([pad_send, count, etype], [pad_out, rcount, rtype]),
                 lambda: comm.Iallgather([pad_send, count, etype], [pad_out, rcount, rtype]),
                 finish, (pad_send, pad_out, out),
             )
-        if outer == 1:
+        if route is Route.GATHER_V:
             counts = [n * inner for n in sizes]
             displs = [o * inner for o in offs]
             spec = [out, (counts, displs), etype]
             return self._run(
+                _what("all_gather", group),
                 async_op,
                 lambda: comm.Allgatherv([send, send.size, etype], spec),
                 lambda: comm.Iallgatherv([send, send.size, etype], spec),
@@ -208,6 +216,7 @@ class MPIBackend:
         sspec = [send, ([send.size] * m, [0] * m), [etype] * m]
         rspec = [out, (rcounts, rdispls), rtypes]
         return self._run(
+            _what("all_gather", group),
             async_op,
             lambda: comm.Alltoallw(sspec, rspec),
             lambda: comm.Ialltoallw(sspec, rspec),
@@ -240,6 +249,7 @@ class MPIBackend:
             return buf[:at].reshape(out.shape)
 
         return self._run(
+            _what("all_gather", group),
             async_op,
             lambda: comm.Allgather([pad_send, mx, etype], [buf, mx, etype]),
             lambda: comm.Iallgather([pad_send, mx, etype], [buf, mx, etype]),
@@ -260,10 +270,12 @@ class MPIBackend:
     ) -> Work:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
+        m, me = group.size, group.rank
+        route = all_to_all_route(comm_path(), send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
         if spmd_debug():
             check_same_call(group, _describe("all_to_all", None, split=split_axis, concat=concat_axis,
-                                             dtype=out.dtype))
-        m, me = group.size, group.rank
+                                             dtype=out.dtype, split_sizes=tuple(split_sizes),
+                                             concat_sizes=tuple(concat_sizes), mpi=route.value))
         if (done := moves_nothing(m, send, out)) is not None:
             return done
         send = _contiguous(send)
@@ -272,11 +284,11 @@ class MPIBackend:
         s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
         own_send = send.nbytes // max(send.shape[split_axis], 1) * split_sizes[me] if send.size else 0
         own_recv = out.nbytes // max(out.shape[concat_axis], 1) * concat_sizes[me] if out.size else 0
-        padded = comm_path() == "padded"
         record("all_to_all", group.mesh_dim, send.nbytes - own_send, out.nbytes - own_recv,
-               padded, async_op)
-        if _all_to_all_is_empty(send.shape, split_axis, split_sizes, concat_axis, concat_sizes):
-            return completed(out)  # decided from group-wide sizes, so every rank skips together
+               route.padded, async_op)
+        if route is Route.NOTHING:
+            return completed(out)
+        padded = route is Route.A2A_PADDED
         comm = group.comm
         send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
         recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
@@ -306,15 +318,16 @@ class MPIBackend:
 
         if padded:
             return self._run(
+                _what("all_to_all", group),
                 async_op,
                 lambda: comm.Alltoall([pack, width, etype], [unpack, width, etype]),
                 lambda: comm.Ialltoall([pack, width, etype], [unpack, width, etype]),
                 finish, (pack, unpack, send, out),
             )
-        if len(set(send_counts)) == 1 and send_counts == recv_counts:
-            # equal blocks: MPICH's Alltoall is 1.3-2x faster than its Alltoallv
+        if route is Route.A2A_EQUAL:
             n = send_counts[0]
             return self._run(
+                _what("all_to_all", group),
                 async_op,
                 lambda: comm.Alltoall([pack, n, etype], [unpack, n, etype]),
                 lambda: comm.Ialltoall([pack, n, etype], [unpack, n, etype]),
@@ -323,6 +336,7 @@ class MPIBackend:
         sspec = [pack, (send_counts, send_at), etype]
         rspec = [unpack, (recv_counts, recv_at), etype]
         return self._run(
+            _what("all_to_all", group),
             async_op,
             lambda: comm.Alltoallv(sspec, rspec),
             lambda: comm.Ialltoallv(sspec, rspec),
@@ -336,7 +350,7 @@ class MPIBackend:
     ) -> Work:
         """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
         if spmd_debug():
-            check_same_call(group, _describe("all_reduce", out, op=reduce_op))
+            check_same_call(group, _describe("all_reduce", out, op=reduce_op, mpi="Allreduce"))
         m = group.size
         if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
             return done
@@ -344,7 +358,7 @@ class MPIBackend:
         wide = WIDENED.get(out.dtype)
         src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
         dst = out if wide is None else _xp(out).empty(out.shape, dtype=wide)
-        mtype, op = reduction_type(dst.dtype), reduction_op(dst.dtype, reduce_op)
+        mtype, op = reduction_type(dst.dtype), nan_aware_op(dst.dtype, reduce_op, _xp(out) is np)
         comm = group.comm
 
         def finish() -> np.ndarray:
@@ -355,6 +369,7 @@ class MPIBackend:
             return out
 
         return self._run(
+            _what("all_reduce", group),
             async_op,
             lambda: comm.Allreduce([src, mtype], [dst, mtype], op=op),
             lambda: comm.Iallreduce([src, mtype], [dst, mtype], op=op),
@@ -373,7 +388,9 @@ class MPIBackend:
     ) -> Work:
         """Reduce every rank's ``send``; rank ``i`` keeps block ``i`` along ``axis`` in ``out``."""
         if spmd_debug():
-            check_same_call(group, _describe("reduce_scatter", send, axis=axis, op=reduce_op))
+            block = comm_path() == "padded" and len(set(sizes)) > 1
+            check_same_call(group, _describe("reduce_scatter", send, axis=axis, op=reduce_op, sizes=tuple(sizes),
+                                             mpi="Reduce_scatter_block" if block else "Reduce_scatter"))
         m, me = group.size, group.rank
         if (done := moves_nothing(m, send, out)) is not None:
             return done
@@ -384,7 +401,7 @@ class MPIBackend:
             return completed(out)
         wide = WIDENED.get(out.dtype)
         dtype = wide or out.dtype
-        mtype, op = reduction_type(dtype), reduction_op(dtype, reduce_op)
+        mtype, op = reduction_type(dtype), nan_aware_op(dtype, reduce_op, _xp(out) is np)
         padded = comm_path() == "padded" and len(set(sizes)) > 1
         width = max(sizes) if padded else None
         src3 = _contiguous(send).reshape(outer, length, inner)
@@ -412,13 +429,13 @@ class MPIBackend:
         else:
             blocking = lambda: comm.Reduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
             nonblocking = lambda: comm.Ireduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
-        return self._run(async_op, blocking, nonblocking, finish, (pack, dst, out))
+        return self._run(_what("reduce_scatter", group), async_op, blocking, nonblocking, finish, (pack, dst, out))
 
     # -- one-to-all ----------------------------------------------------------------------
     def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
         """Copy ``buf`` from group rank ``root`` to every rank, in place."""
         if spmd_debug():
-            check_same_call(group, _describe("broadcast", buf, root=root))
+            check_same_call(group, _describe("broadcast", buf, root=root, mpi="Bcast"))
         if (done := moves_nothing(group.size, buf, buf, buf.size == 0)) is not None:
             return done
         me = group.rank
@@ -427,6 +444,7 @@ class MPIBackend:
         etype = element_type(buf.dtype.itemsize)
         comm = group.comm
         return self._run(
+            _what("broadcast", group),
             async_op,
             lambda: comm.Bcast([buf, buf.size, etype], root=root),
             lambda: comm.Ibcast([buf, buf.size, etype], root=root),
@@ -445,7 +463,8 @@ class MPIBackend:
     ) -> Work:
         """Rank ``i`` receives block ``i`` along ``axis`` of the root's ``send``."""
         if spmd_debug():
-            check_same_call(group, _describe("scatter", None, axis=axis, root=root, dtype=out.dtype))
+            check_same_call(group, _describe("scatter", None, axis=axis, root=root, dtype=out.dtype, sizes=tuple(sizes),
+                                             mpi="Scatter" if comm_path() == "padded" else "Scatterv"))
         m, me = group.size, group.rank
         if (done := moves_nothing(m, send, out)) is not None:
             return done
@@ -481,7 +500,17 @@ class MPIBackend:
             sspec = [pack, (counts, offsets(counts)), etype]
             blocking = lambda: comm.Scatterv(sspec, [recv, recv.size, etype], root=root)
             nonblocking = lambda: comm.Iscatterv(sspec, [recv, recv.size, etype], root=root)
-        return self._run(async_op, blocking, nonblocking, finish, (pack, recv, out))
+        return self._run(_what("scatter", group), async_op, blocking, nonblocking, finish, (pack, recv, out))
+
+
+def _what(kind: str, group: Group) -> str:
+    dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
+    return f"{kind}{dim} ({group.size} ranks)"
+
+
+def _waited(work: Work) -> Work:
+    work.wait()
+    return work
 
 
 def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dtype: Any) -> Any:
@@ -508,15 +537,6 @@ def _global_block(
     if concat_axis != split_axis:
         shape[concat_axis] = max(concat_sizes)
     return prod(shape)
-
-
-def _all_to_all_is_empty(
-    send_shape: tuple[int, ...], split_axis: int, split_sizes: Sequence[int],
-    concat_axis: int, concat_sizes: Sequence[int],
-) -> bool:
-    """True when no rank of the group has anything to send (the same answer on every rank)."""
-    others = [n for i, n in enumerate(send_shape) if i not in (split_axis, concat_axis)]
-    return prod(others) == 0 or sum(split_sizes) == 0 or sum(concat_sizes) == 0
 
 
 def _divide(buf: np.ndarray, m: int) -> None:

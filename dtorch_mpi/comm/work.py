@@ -1,52 +1,117 @@
-"""Handles of nonblocking collectives: they keep every buffer alive until completion."""
+"""Handles of nonblocking collectives: they keep every buffer alive until completion.
+
+MPI writes into a nonblocking collective's buffers until the request completes, whoever still
+holds the handle. So a started request and its buffers are owned by a module-level registry
+of in-flight requests, not by the handle: dropping a handle (a ``redistribute(async_op=True)``
+result deleted before use, a ``to_torch_async()`` handle never waited) leaves the buffers alive
+until MPI is done. Completed requests are reaped at the start of every later collective
+(``reap()``) and at exit (``drain()``), which only tests/waits requests and never starts one,
+so it is safe at any point of the program.
+"""
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
 
 
+class _InFlight:
+    """A started request and the buffers/datatypes MPI may still touch."""
+
+    __slots__ = ("request", "keep")
+
+    def __init__(self, request: MPI.Request, keep: tuple[Any, ...]) -> None:
+        self.request = request
+        self.keep = keep
+
+
+_IN_FLIGHT: set[_InFlight] = set()
+_ABANDONED: list[_InFlight] = []  # timed out: MPI may still write into these buffers, so never freed
+
+
+def in_flight() -> int:
+    """How many started requests MPI may still be writing into (after reaping finished ones)."""
+    reap()
+    return len(_IN_FLIGHT)
+
+
+def reap() -> None:
+    """Release the buffers of every in-flight request that has completed (never blocks)."""
+    for entry in [e for e in _IN_FLIGHT if e.request.Test()]:
+        _IN_FLIGHT.discard(entry)
+
+
+def drain() -> None:
+    """Wait for every in-flight request (at exit, before MPI is finalised)."""
+    from .deadline import wait_request
+
+    for entry in list(_IN_FLIGHT):
+        try:
+            wait_request(entry.request, "a dropped nonblocking collective (at exit)")
+        except Exception:
+            _ABANDONED.append(entry)  # timed out: MPI may still write into its buffers
+        _IN_FLIGHT.discard(entry)
+
+
+atexit.register(drain)  # registered after mpi4py's finaliser, so it runs first
+
+
 class Work:
     """A started collective. ``wait()`` returns its result; ``done()`` polls without blocking.
 
-    The handle holds references to every buffer and derived datatype the operation uses
-    (mpi4py does not for every nonblocking collective) and runs the finishing step (copying
-    out of padded buffers, dividing an average, narrowing a widened dtype) exactly once.
+    The registry holds the request with every buffer and derived datatype the operation uses
+    (mpi4py does not for every nonblocking collective) until MPI has finished with them, even
+    if this handle is dropped first. The finishing step (copying out of padded buffers,
+    dividing an average, narrowing a widened dtype) runs exactly once, on ``wait()``/``done()``.
     """
 
-    __slots__ = ("_request", "_finish", "_keep", "_result", "_finished")
+    __slots__ = ("_entry", "_finish", "_result", "_finished", "_what")
 
     def __init__(
         self,
         request: MPI.Request | None,
         finish: Callable[[], Any],
         keep: tuple[Any, ...] = (),
+        what: str = "a nonblocking collective",
     ) -> None:
-        self._request = request
         self._finish = finish
-        self._keep = keep
         self._result: Any = None
         self._finished = False
+        self._what = what
+        self._entry: _InFlight | None = None
         if request is None:
             self._complete()
+        else:
+            self._entry = _InFlight(request, keep)
+            _IN_FLIGHT.add(self._entry)
 
     def _complete(self) -> None:
+        if self._entry is not None:
+            _IN_FLIGHT.discard(self._entry)
+            self._entry = None
         self._result = self._finish()
         self._finished = True
-        self._keep = ()
-        self._request = None
 
     def done(self) -> bool:
-        if not self._finished and self._request is not None and self._request.Test():
+        if not self._finished and self._entry is not None and self._entry.request.Test():
             self._complete()
         return self._finished
 
     def wait(self) -> Any:
         if not self._finished:
-            assert self._request is not None
-            self._request.Wait()
+            from .deadline import wait_request
+
+            entry = self._entry
+            assert entry is not None
+            try:
+                wait_request(entry.request, self._what)
+            except Exception:
+                _IN_FLIGHT.discard(entry)  # never completes: its buffers stay alive for good
+                _ABANDONED.append(entry)
+                raise
             self._complete()
         return self._result
 

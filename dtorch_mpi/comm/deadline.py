@@ -1,0 +1,70 @@
+"""The collective deadline: every collective the library starts completes within
+``DTORCH_COLLECTIVE_TIMEOUT`` seconds (default 600; ``0`` turns the deadline off) or raises
+``CollectiveTimeoutError`` on the ranks waiting (PyTorch's process-group timeout is the anchor).
+
+Collectives are started nonblocking and waited on by polling ``Test``: MPI has no timed wait,
+and a blocking call cannot be interrupted. The loop spins (MPICH's own blocking wait spins
+too, and nonblocking collectives progress only inside MPI calls); every 16 polls it yields
+the CPU (``sched_yield``, so a peer rank sharing the core runs) and reads the clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+from mpi4py import MPI
+
+from ..errors import CollectiveTimeoutError
+
+_timeout: float | None = None
+
+
+def collective_timeout() -> float:
+    """Seconds a collective may take (``DTORCH_COLLECTIVE_TIMEOUT``); 0 means no deadline."""
+    global _timeout
+    if _timeout is None:
+        raw = os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "600")
+        try:
+            _timeout = float(raw)
+        except ValueError:
+            raise ValueError(f"DTORCH_COLLECTIVE_TIMEOUT={raw!r} is not a number of seconds") from None
+    return _timeout
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Set the deadline for this process (every rank must set the same)."""
+    global _timeout
+    _timeout = float(seconds)
+
+
+def call_site() -> str:
+    """The innermost frame outside dtorch_mpi: where the user started the collective."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if not os.path.abspath(frame.filename).startswith(here):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "unknown"
+
+
+def wait_request(request: MPI.Request, what: str) -> None:
+    """Wait until ``request`` completes, or raise ``CollectiveTimeoutError`` naming ``what``."""
+    limit = collective_timeout()
+    if limit <= 0:
+        request.Wait()
+        return
+    start = time.monotonic()
+    polls = 0
+    while not request.Test():
+        polls += 1
+        if polls % 16 == 0:
+            os.sched_yield()  # let a peer rank sharing this core run (blocking MPI waits yield too)
+            waited = time.monotonic() - start
+            if waited > limit:
+                raise CollectiveTimeoutError(
+                    f"{what} did not complete within DTORCH_COLLECTIVE_TIMEOUT={limit:g}s "
+                    f"(started at {call_site()}, rank {MPI.COMM_WORLD.Get_rank()}): some rank of the group "
+                    f"did not make the matching call (it failed, hangs, or runs another collective). "
+                    f"The communicator is unusable after this; end the job."
+                )

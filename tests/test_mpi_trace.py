@@ -1,0 +1,174 @@
+"""Every rank of a group makes the same MPI-level call with matching counts (issue 18).
+
+A tracing layer over each mesh-dim communicator records every collective each rank makes
+(the mpi4py method and the bytes of every buffer argument) and passes the call on unchanged to
+the real communicator. After every redistribute pair the traces of the ranks of each group are
+compared: same methods in the same order, equal counts for the equal-size collectives, and for
+the ``v``/``w`` collectives counts that match across ranks (what rank i sends to j is what j
+receives from i). scripts/run_tests.py runs this on every comm path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import SIZE, WORLD, Checker, lengths_for
+from mpi4py import MPI
+from test_redistribute import P1, P2, make_pieces
+from test_redistribute import local_of as local_piece
+
+import dtorch_mpi as dt
+from dtorch_mpi.comm import Group, MPIBackend
+from dtorch_mpi.split import split_sizes
+
+Call = tuple[str, tuple[Any, ...], Any]  # (method, bytes per buffer argument, root or counts)
+
+
+def _bytes(arg: Any) -> Any:
+    """The bytes an mpi4py buffer argument moves: an int, or a tuple per rank for ``v``/``w``."""
+    if isinstance(arg, np.ndarray):
+        return arg.nbytes
+    if not isinstance(arg, (list, tuple)):
+        return None
+    buf, *rest = arg
+    if len(rest) == 1:  # [buf, datatype]
+        return np.asarray(buf).nbytes
+    count, types = rest
+    if isinstance(count, tuple):  # (counts, displs)
+        counts = count[0]
+        sizes = [t.Get_size() for t in types] if isinstance(types, list) else [types.Get_size()] * len(counts)
+        return tuple(int(c) * s for c, s in zip(counts, sizes))
+    return int(count) * types.Get_size()
+
+
+def _is_buffer(arg: Any) -> bool:
+    return isinstance(arg, np.ndarray) or (isinstance(arg, list) and isinstance(arg[0], np.ndarray))
+
+
+class TracingComm:
+    """Wraps a communicator: records each upper-case (buffer) collective, then delegates."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self._comm = comm
+        self.calls: list[Call] = []
+
+    def __getattr__(self, name: str) -> Any:
+        target = getattr(self._comm, name)
+        if not name[0].isupper() or name.startswith(("Get_", "Free", "Set_")):
+            return target
+
+        method = name[1].upper() + name[2:] if name[0] == "I" and name[1].islower() else name
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            extra = kwargs.get("root")
+            if method == "Reduce_scatter":
+                extra = tuple(args[2])
+            self.calls.append((method, tuple(_bytes(a) for a in args if _is_buffer(a)), extra))
+            return target(*args, **kwargs)
+
+        return traced
+
+
+def _mismatch(method: str, calls: list[Call]) -> str | None:
+    """Why the calls of the ranks of one group (in group-rank order) do not match, if they don't."""
+    if len({c[0] for c in calls}) > 1:
+        return "different methods: " + ", ".join(c[0] for c in calls)
+    if len({repr(c[2]) for c in calls}) > 1:
+        return f"different roots/counts: {[c[2] for c in calls]}"
+    sends = [c[1][0] for c in calls]
+    recvs = [c[1][-1] for c in calls]
+    if method in ("Alltoallv", "Alltoallw"):
+        m = len(calls)
+        bad = [(i, j) for i in range(m) for j in range(m) if sends[i][j] != recvs[j][i]]
+        return f"send/recv counts disagree for (from, to) {bad}" if bad else None
+    if method == "Allgatherv":
+        if len(set(recvs)) > 1:
+            return f"different recvcounts {recvs}"
+        bad = [i for i in range(len(calls)) if sends[i] != recvs[0][i]]
+        return f"ranks {bad} send other than the others receive" if bad else None
+    if method == "Reduce_scatter":  # equal counts (compared above) and equal send buffers
+        return None if len(set(sends)) == 1 else f"different send buffers {sends}"
+    if method in ("Scatterv", "Scatter", "Bcast"):
+        return None if len(set(map(repr, recvs))) == 1 or method == "Scatterv" else f"different counts {recvs}"
+    return None if len({repr(c[1]) for c in calls}) == 1 else f"different counts {[c[1] for c in calls]}"
+
+
+@pytest.fixture
+def traced_mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
+    mesh = dt.init_device_mesh("cpu", request.param)
+    mesh._groups = [TracingComm(g) for g in mesh._groups]  # type: ignore[misc]
+    yield mesh
+    mesh._groups = [g._comm for g in mesh._groups]  # type: ignore[attr-defined]
+    mesh.free()
+
+
+def _compare_groups(mesh: dt.DeviceMesh, what: str, check: Checker) -> None:
+    """Compare the traces of the ranks of every group (one world all-gather of the traces)."""
+    coord = mesh.get_coordinate()
+    mine = [list(g.calls) for g in mesh._groups]  # type: ignore[attr-defined]
+    for g in mesh._groups:
+        g.calls.clear()  # type: ignore[attr-defined]
+    everyone = WORLD.allgather((coord, mine))
+    for k in range(mesh.ndim):
+        groups: dict[tuple[int, ...], list[tuple[int, list[Call]]]] = {}
+        for c, traces in everyone:
+            rest = tuple(v for i, v in enumerate(c) if i != k)
+            groups.setdefault(rest, []).append((c[k], traces[k]))
+        for rest, members in groups.items():
+            members.sort()
+            seqs = [t for _, t in members]
+            if len({len(s) for s in seqs}) > 1:
+                check.true(False, f"{what} mesh dim {k} group {rest}: call counts {[len(s) for s in seqs]}")
+                continue
+            for n, calls in enumerate(zip(*seqs)):
+                why = _mismatch(calls[0][0], list(calls))
+                check.true(why is None, f"{what} mesh dim {k} group {rest} call {n} ({calls[0][0]}): {why}")
+
+
+def _run_traced(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shapes: list[tuple[int, ...]],
+                check: Checker) -> int:
+    calls = 0
+    for shape in shapes:
+        full = np.random.default_rng(sum(shape)).integers(-50, 50, size=shape).astype(np.float64)
+        for src, dst in itertools.product(layouts, layouts):
+            x = dt.DTensor.from_local(make_pieces(full, mesh, src), mesh, src, shape=shape)
+            for async_op in (False, True):
+                y = x.redistribute(placements=dst, async_op=async_op)
+                check.equal(y.to_torch(), full, f"{shape} {src} -> {dst} async={async_op}")
+            calls += sum(len(g.calls) for g in mesh._groups)  # type: ignore[attr-defined]
+            _compare_groups(mesh, f"{shape} {src} -> {dst}", check)
+    return calls
+
+
+@pytest.mark.parametrize("traced_mesh", [(SIZE,)], indirect=True)
+def test_every_rank_makes_the_same_mpi_calls_1d(traced_mesh: dt.DeviceMesh, check: Checker) -> None:
+    shapes = [(n, 3) for n in lengths_for(SIZE)] + [(3, n) for n in lengths_for(SIZE)] + [(1, 2), (1, 3)]
+    calls = _run_traced(traced_mesh, [[p] for p in P1], shapes, check)
+    check.true(SIZE == 1 or calls > 0, "the tracing layer saw no calls")
+    check.done()
+
+
+@pytest.mark.parametrize("traced_mesh", [{1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}.get(SIZE, (SIZE, 1))],
+                         indirect=True)
+def test_every_rank_makes_the_same_mpi_calls_2d(traced_mesh: dt.DeviceMesh, check: Checker) -> None:
+    layouts = [list(p) for p in itertools.product(P2, repeat=2)]
+    _run_traced(traced_mesh, layouts, [(5, 3), (1, 2), (3, 1)], check)
+    check.done()
+
+
+def test_the_issue_18_reproducer_makes_one_call_kind(mesh1d: dt.DeviceMesh) -> None:
+    """(1, 2) at 3 ranks and (1, 3) at 4: a rank moving nothing used to call Alltoall while the
+    others called Alltoallv (Intel MPI and Open MPI 4.1 hang)."""
+    comm = TracingComm(mesh1d.get_group(0))
+    full = np.arange(float(max(SIZE - 1, 1))).reshape(1, -1)
+    mine = local_piece(full, mesh1d, [dt.Shard(0)])
+    out = np.empty(local_piece(full, mesh1d, [dt.Shard(1)]).shape)
+    got = MPIBackend().all_to_all(Group(comm, 0), mine, out, 1, split_sizes(full.shape[1], SIZE),  # type: ignore[arg-type]
+                                  0, split_sizes(1, SIZE)).wait()
+    kinds = WORLD.allgather([c[0] for c in comm.calls])
+    assert all(k == kinds[0] for k in kinds), kinds
+    assert np.array_equal(got, local_piece(full, mesh1d, [dt.Shard(1)]))
