@@ -19,6 +19,7 @@ from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import hdf5 as ck
+from dtorch_mpi.checkpoint.checksum import checksum
 
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
@@ -73,12 +74,15 @@ def test_partial_is_saved_reduced_and_plain_h5py_reads_it(mesh1d: dt.DeviceMesh,
     dt.save(sd, path)
     if RANK == 0:
         with h5py.File(path, "r") as f:
-            assert f.attrs["format"] == "dtorch_mpi" and int(f.attrs["version"]) == 1
+            assert f.attrs["format"] == "dtorch_mpi" and int(f.attrs["version"]) == 2
             for i in range(len(LAYOUTS_1D)):
                 ds = f[f"layer{i}/w"]
                 assert ds.shape == (2 * SIZE + 1, 4) and ds.dtype == np.float64
                 assert np.array_equal(ds[()], fulls[f"layer{i}.w"])
                 assert ds.attrs["placements"] == repr(LAYOUTS_1D[i])
+                assert ds.attrs["dtype"] == "<f8"
+                # the collectively combined checksum is the checksum of the complete array
+                assert int(ds.attrs["checksum"]) == checksum(fulls[f"layer{i}.w"], (0, 0), ds.shape)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -195,6 +199,7 @@ def test_damaged_and_foreign_files_are_rejected_everywhere(damage: str, mesh1d: 
             with h5py.File(path, "r+") as f:
                 del f["layer1/w"]
                 f["layer1/w"] = np.zeros((2, 2)) if damage == "shape" else np.zeros((2 * SIZE + 1, 3), np.complex64)
+                f["layer1/w"].attrs.update(dtype=f["layer1/w"].dtype.str, checksum=np.uint64(0))  # well formed
     WORLD.Barrier()
     tgt = {f"layer{i}.w": dt.zeros(2 * SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
            for i in range(2)}

@@ -16,6 +16,8 @@ from mpi4py import MPI
 import dtorch_mpi as dt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))  # the code under test
 MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or os.path.join(
     os.path.dirname(sys.executable), "mpiexec")
 
@@ -27,7 +29,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint() -> None:
     try:
         proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable,
                                os.path.join(HERE, "harness_cases", "kill_during_save.py"), path],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, env=ENV)
         assert proc.returncode != 0, proc.stdout + proc.stderr
         assert "the kill did not happen" not in proc.stdout
         with open(path, "rb") as now, open(path + ".A", "rb") as before:
