@@ -89,6 +89,8 @@ def entries(f: Any, path: str) -> dict[str, Entry]:
 
     try:
         walk(f, "")
+    except CheckpointError:
+        raise
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
         raise CheckpointError(f"{path}: the file's structure is damaged ({exc})") from exc
     return found
@@ -156,8 +158,9 @@ def _attribute(obj: Any, name: str, path: str, where: str) -> Any:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}"
+    """Type and (shortened) value, for messages."""
+    plain = value.item() if isinstance(value, np.generic) else value
+    return f"{type(plain).__name__} {repr(plain)[:60]}"
 
 
 def _h5py() -> Any:
