@@ -446,3 +446,27 @@ def test_io_error_in_a_collective_write_raises_everywhere(mesh1d: dt.DeviceMesh,
     dt.load(path, tgt)
     for k, v in tgt.items():
         assert np.array_equal(v.to_torch(), fulls[k])
+
+
+def test_chunked_staging_notices_a_file_changing_between_passes(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """staging='chunks' reads twice; data that differs in the second read raises on every rank."""
+    from dtorch_mpi.checkpoint import reader
+
+    path = os.path.join(shared_dir, "changing.h5")
+    _, sd = state(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    dt.save(sd, path)
+    real, reads = reader._read, {"n": 0}
+    first_pass = len(sd)  # rank 0 holds a non-empty piece of each tensor: one chunk each
+
+    def changing(ds: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        out = real(ds, offset, shape)
+        reads["n"] += 1
+        if RANK == 0 and reads["n"] > first_pass:
+            out.reshape(-1)[0] += 1.0  # as if another job rewrote the file meanwhile
+        return out
+
+    monkeypatch.setattr(reader, "_read", changing)
+    tgt = targets(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    with pytest.raises(dt.CheckpointError, match="changed while loading"):
+        dt.load(path, {k: tgt[k] for k in sd}, staging="chunks")
