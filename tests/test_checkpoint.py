@@ -19,6 +19,7 @@ from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import hdf5 as ck
+from dtorch_mpi.checkpoint.checksum import checksum
 
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
@@ -73,12 +74,15 @@ def test_partial_is_saved_reduced_and_plain_h5py_reads_it(mesh1d: dt.DeviceMesh,
     dt.save(sd, path)
     if RANK == 0:
         with h5py.File(path, "r") as f:
-            assert f.attrs["format"] == "dtorch_mpi" and int(f.attrs["version"]) == 1
+            assert f.attrs["format"] == "dtorch_mpi" and int(f.attrs["version"]) == 2
             for i in range(len(LAYOUTS_1D)):
                 ds = f[f"layer{i}/w"]
                 assert ds.shape == (2 * SIZE + 1, 4) and ds.dtype == np.float64
                 assert np.array_equal(ds[()], fulls[f"layer{i}.w"])
                 assert ds.attrs["placements"] == repr(LAYOUTS_1D[i])
+                assert ds.attrs["dtype"] == "<f8"
+                # the collectively combined checksum is the checksum of the complete array
+                assert int(ds.attrs["checksum"]) == checksum(fulls[f"layer{i}.w"], (0, 0), ds.shape)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -195,6 +199,7 @@ def test_damaged_and_foreign_files_are_rejected_everywhere(damage: str, mesh1d: 
             with h5py.File(path, "r+") as f:
                 del f["layer1/w"]
                 f["layer1/w"] = np.zeros((2, 2)) if damage == "shape" else np.zeros((2 * SIZE + 1, 3), np.complex64)
+                f["layer1/w"].attrs.update(dtype=f["layer1/w"].dtype.str, checksum=np.uint64(0))  # well formed
     WORLD.Barrier()
     tgt = {f"layer{i}.w": dt.zeros(2 * SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
            for i in range(2)}
@@ -220,3 +225,248 @@ def test_save_errors(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
     WORLD.Barrier()
     if RANK == 0:
         assert not [f for f in os.listdir(shared_dir) if f.endswith(".tmp")]
+
+
+# ---- untrusted files: crafted with plain h5py, each refused on every rank before the target changes ----
+
+N_ROWS = 2 * SIZE + 1
+
+
+def _replace(f: h5py.File, name: str, make: Any) -> None:
+    """Replace dataset ``name`` by ``make(group, leaf)``, keeping the original attributes."""
+    attrs = dict(f[name].attrs)
+    del f[name]
+    group, leaf = name.rsplit("/", 1)
+    make(f[group], leaf)
+    if isinstance(f.get(name, getlink=True), h5py.HardLink) and isinstance(f[name], h5py.Dataset):
+        f[name].attrs.update(attrs)
+
+
+def _patch_bytes(path: str, name: str, edit: Any) -> None:
+    """Edit dataset ``name``'s stored bytes in place, found with ``get_offset``."""
+    with h5py.File(path, "r") as f:
+        offset, size = f[name].id.get_offset(), f[name].id.get_storage_size()
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        data = bytearray(fh.read(size))
+        edit(data)
+        fh.seek(offset)
+        fh.write(bytes(data))
+
+
+def _craft(kind: str, path: str, d: str) -> None:
+    """Damage a valid checkpoint at ``path`` (rank 0 only); ``d`` holds any side files."""
+    value = full_value((N_ROWS, 3), 1)
+    if kind == "bit_flip":
+        _patch_bytes(path, "layer1/w", lambda b: b.__setitem__(11, b[11] ^ 0x10))
+        return
+    if kind == "zeroed":
+        _patch_bytes(path, "layer1/w", lambda b: b.__setitem__(slice(0, len(b) // 4), bytes(len(b) // 4)))
+        return
+    with h5py.File(path, "r+") as f:
+        secret = os.path.join(d, "secret.bin")
+        if kind == "external":
+            with open(secret, "wb") as fh:
+                fh.write(np.full((N_ROWS, 3), 42.0).tobytes())
+            _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, shape=(N_ROWS, 3), dtype="<f8",
+                                                                   external=[(secret, 0, value.nbytes)]))
+        elif kind == "virtual":
+            with h5py.File(secret, "w") as other:
+                other["x"] = np.full((N_ROWS, 3), 42.0)
+            layout = h5py.VirtualLayout(shape=(N_ROWS, 3), dtype="<f8")
+            layout[...] = h5py.VirtualSource(secret, "x", shape=(N_ROWS, 3))
+            _replace(f, "layer1/w", lambda g, n: g.create_virtual_dataset(n, layout))
+        elif kind == "external_link":
+            with h5py.File(secret, "w") as other:
+                other["x"] = np.full((N_ROWS, 3), 42.0)
+            _replace(f, "layer1/w", lambda g, n: g.__setitem__(n, h5py.ExternalLink(secret, "/x")))
+        elif kind == "soft_link":
+            _replace(f, "layer1/w", lambda g, n: g.__setitem__(n, h5py.SoftLink("/layer0/w")))
+        elif kind == "second_name":
+            f["alias"] = f["layer0"]  # the same group under two names (a hard link)
+        elif kind == "gzip":
+            _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, data=value, chunks=(1, 3), compression="gzip"))
+        elif kind == "chunk_bomb":  # a 1.5 MiB gzip chunk for a few dozen bytes of data
+            _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, data=value, maxshape=(None, 3), chunks=(1 << 16, 3),
+                                                                   compression="gzip"))
+        elif kind == "null_dataspace":
+            _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, data=h5py.Empty("<f8")))
+        elif kind == "dotted_name":  # /layer1.w and /layer1/w would both be key layer1.w
+            f["layer1.w"] = value
+        elif kind == "format_array":
+            f.attrs["format"] = np.array([b"dtorch_mpi", b"dtorch_mpi"])
+        elif kind.startswith("version_"):
+            f.attrs["version"] = {"version_str": "one", "version_list": np.array([1, 1]), "version_float": 1.9,
+                                  "version_1": 1}[kind]
+        elif kind == "dtype_flip":  # the same bytes declared uint64
+            _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, data=value.view("<u8")))
+        elif kind == "never_written":
+            _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, shape=(N_ROWS, 3), dtype="<f8", fillvalue=np.nan))
+        elif kind == "fill_value":  # allocated (as MPI-IO writers do) but never written: NaN everywhere
+            def early(g: h5py.Group, n: str) -> None:
+                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+                dcpl.set_fill_value(np.array(np.nan))
+                space = h5py.h5s.create_simple((N_ROWS, 3))
+                h5py.h5d.create(g.id, n.encode(), h5py.h5t.IEEE_F64LE, space, dcpl=dcpl)
+            _replace(f, "layer1/w", early)
+        elif kind == "no_checksum":
+            del f["layer1/w"].attrs["checksum"]
+    if kind == "huge_attribute":  # 128 KiB for a scalar (dense attribute storage needs libver latest)
+        with h5py.File(path, "r+", libver="latest") as f:
+            _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, data=value))
+            f["layer1/w"].attrs["checksum"] = np.zeros(1 << 14, np.uint64)
+
+
+UNTRUSTED = {  # kind -> what the error must say (each names the dataset or attribute)
+    "external": "layer1/w keeps its data in external files",
+    "virtual": "layer1/w is a virtual dataset",
+    "external_link": "layer1/w is a ExternalLink",
+    "soft_link": "layer1/w is a SoftLink",
+    "second_name": "second name of an object",
+    "gzip": r"layer1/w uses HDF5 filters \['deflate'\]",
+    "chunk_bomb": "layer1/w is stored in chunks of 1572864 bytes",
+    "null_dataspace": "layer1/w has a null dataspace",
+    "dotted_name": r"/layer1\.w has a '\.' in its name",
+    "format_array": "attribute 'format' of / is an array",
+    "version_str": "attribute 'version' must be an integer, got str 'one'",
+    "version_list": "attribute 'version' of / is an array",
+    "version_float": "attribute 'version' must be an integer, got float 1.9",
+    "version_1": "version 1 predates per-dataset checksums",
+    "dtype_flip": "layer1/w is stored as <u8 but its 'dtype' attribute says str '<f8'",
+    "never_written": "layer1/w has no data stored",
+    "fill_value": "checksum mismatch in dataset /layer1/w",
+    "bit_flip": "checksum mismatch in dataset /layer1/w",
+    "zeroed": "checksum mismatch in dataset /layer1/w",
+    "no_checksum": "/layer1/w lacks the attribute 'checksum'",
+    "huge_attribute": "attribute 'checksum' of /layer1/w holds 131072 bytes",
+}
+
+
+@pytest.mark.parametrize(("kind", "staging"), [(kind, "all") for kind in sorted(UNTRUSTED)] + [
+    (kind, "chunks") for kind in ("bit_flip", "zeroed", "fill_value", "external")])  # checksums: both stagings
+def test_untrusted_files_are_refused_before_reading(kind: str, staging: str, mesh1d: dt.DeviceMesh,
+                                                    shared_dir: str) -> None:
+    path = os.path.join(shared_dir, "crafted.h5")
+    _, sd = state(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    dt.save(sd, path)
+    if RANK == 0:
+        _craft(kind, path, shared_dir)
+    WORLD.Barrier()
+    tgt = {f"layer{i}.w": dt.zeros(N_ROWS, 3, dtype=np.float64, device_mesh=mesh1d, placements=LAYOUTS_1D[i])
+           for i in range(3)}
+    with pytest.raises(dt.CheckpointError, match=UNTRUSTED[kind]):
+        dt.load(path, tgt, staging=staging)
+    assert not any(v.to_local().any() for v in tgt.values()), "a refused load changed the target"
+
+
+def test_chunked_staging_matches_and_verifies(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, shared_dir: str,
+                                              monkeypatch: pytest.MonkeyPatch, check: Checker) -> None:
+    """staging='chunks' (here with 40-byte chunks: several per piece) loads exactly what 'all' loads."""
+    from dtorch_mpi.checkpoint import reader
+
+    monkeypatch.setattr(reader, "CHUNK_BYTES", 40)
+    path = os.path.join(shared_dir, "chunks.h5")
+    for rows in (0, 1, 2 * SIZE + 1):
+        fulls, sd = state(mesh1d, LAYOUTS_1D, (rows, 3))
+        dt.save(sd, path)
+        for mesh, layouts in ((mesh1d, LAYOUTS_1D), (mesh2d, [[dt.Shard(1), dt.Shard(0)], [dt.Partial("avg"), dt.Shard(1)],
+                                                               [dt.Replicate(), dt.Partial("max")]])):
+            tgt = targets(mesh, layouts, (rows, 3))
+            dt.load(path, tgt, staging="chunks")
+            for k, v in tgt.items():
+                check.equal(v.to_torch(), fulls[k], f"rows={rows} {k} -> {list(v.placements)} (chunks)")
+    check.done()
+    with pytest.raises(dt.CheckpointError, match=r"staging='tensor'.*use one of all, chunks"):
+        dt.load(path, targets(mesh1d, LAYOUTS_1D, (2 * SIZE + 1, 3)), staging="tensor")
+
+
+def test_zero_dim_tensors_round_trip(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, shared_dir: str,
+                                     check: Checker) -> None:
+    path = os.path.join(shared_dir, "scalars.h5")
+    plain = {"r": [dt.Replicate()], "psum": [dt.Partial("sum")], "pmax": [dt.Partial("max")]}
+    sd = {k: dt.full((), 3.5, dtype=np.float32, device_mesh=mesh1d, placements=plc) for k, plc in plain.items()}
+    dt.save(sd, path)
+    for mesh in (mesh1d, mesh2d):
+        for staging in ("all", "chunks"):
+            tgt = {k: dt.zeros((), dtype=np.float32, device_mesh=mesh, placements=[p] * mesh.ndim)
+                   for k, p in zip(plain, (dt.Partial("min"), dt.Replicate(), dt.Partial("avg")))}
+            dt.load(path, tgt, staging=staging)
+            for k, v in tgt.items():
+                got = v.to_torch()
+                check.true(got.shape == () and float(got) == 3.5, f"{k} on {mesh.shape} ({staging}): {got!r}")
+    check.done()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_paths_raise_everywhere(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    _, sd = state(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    mine = os.path.join(shared_dir, f"rank{RANK % 2}.h5")
+    with pytest.raises(dt.CheckpointError, match="ranks passed different paths"):
+        dt.save(sd, mine)
+    dt.save(sd, os.path.join(shared_dir, "rank0.h5"))
+    dt.save(sd, os.path.join(shared_dir, "rank1.h5"))
+    tgt = targets(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    before = {k: v.to_local().copy() for k, v in tgt.items()}
+    with pytest.raises(dt.CheckpointError, match="ranks passed different paths"):
+        dt.load(mine, tgt)
+    assert all(np.array_equal(v.to_local(), before[k]) for k, v in tgt.items()), "a refused load changed the target"
+    WORLD.Barrier()
+    if RANK == 0:
+        assert sorted(os.listdir(shared_dir)) == ["rank0.h5", "rank1.h5"], os.listdir(shared_dir)
+
+
+def test_io_error_in_a_collective_write_raises_everywhere(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write itself reports an error on one rank (after the collective completed): every rank
+    raises, the previous file is intact and the temporary file is gone (both HDF5 stacks)."""
+    path = os.path.join(shared_dir, "io.h5")
+    fulls, sd = state(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    dt.save(sd, path)
+    before = open(path, "rb").read() if RANK == 0 else b""
+    real, calls = ck._write_slab, {"n": 0}
+
+    def failing_write(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        calls["n"] += 1
+        if RANK == SIZE - 1 and calls["n"] == 2:
+            raise OSError(28, "No space left on device (planted)")
+
+    monkeypatch.setattr(ck, "_write_slab", failing_write)
+    for v in sd.values():
+        v.to_local()[...] = 7
+    with pytest.raises(dt.CheckpointError, match="No space left on device"):
+        dt.save(sd, path)
+    monkeypatch.setattr(ck, "_write_slab", real)
+    WORLD.Barrier()
+    if RANK == 0:
+        assert open(path, "rb").read() == before, "the previous checkpoint changed"
+        assert sorted(os.listdir(shared_dir)) == ["io.h5"], os.listdir(shared_dir)
+    tgt = targets(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    dt.load(path, tgt)
+    for k, v in tgt.items():
+        assert np.array_equal(v.to_torch(), fulls[k])
+
+
+def test_chunked_staging_notices_a_file_changing_between_passes(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """staging='chunks' reads twice; data that differs in the second read raises on every rank."""
+    from dtorch_mpi.checkpoint import reader
+
+    path = os.path.join(shared_dir, "changing.h5")
+    _, sd = state(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    dt.save(sd, path)
+    real, reads = reader._read, {"n": 0}
+    first_pass = len(sd)  # rank 0 holds a non-empty piece of each tensor: one chunk each
+
+    def changing(ds: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        out = real(ds, offset, shape)
+        reads["n"] += 1
+        if RANK == 0 and reads["n"] > first_pass:
+            out.reshape(-1)[0] += 1.0  # as if another job rewrote the file meanwhile
+        return out
+
+    monkeypatch.setattr(reader, "_read", changing)
+    tgt = targets(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    with pytest.raises(dt.CheckpointError, match="changed while loading"):
+        dt.load(path, {k: tgt[k] for k in sd}, staging="chunks")

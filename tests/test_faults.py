@@ -1,5 +1,7 @@
 """Fault injection: a rank killed (SIGKILL) in the middle of a checkpoint save leaves the
-previous checkpoint in place, bit for bit, and loadable."""
+previous checkpoint in place, bit for bit, and loadable; an I/O error reported on one rank by a
+collective write makes every rank raise instead of hanging (both HDF5 stacks: the cases run
+under the interpreter of the stack being tested)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from mpi4py import MPI
 import dtorch_mpi as dt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))  # the code under test
 MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or os.path.join(
     os.path.dirname(sys.executable), "mpiexec")
 
@@ -27,7 +31,7 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint() -> None:
     try:
         proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable,
                                os.path.join(HERE, "harness_cases", "kill_during_save.py"), path],
-                              capture_output=True, text=True, timeout=120)
+                              capture_output=True, text=True, timeout=120, env=ENV)
         assert proc.returncode != 0, proc.stdout + proc.stderr
         assert "the kill did not happen" not in proc.stdout
         with open(path, "rb") as now, open(path + ".A", "rb") as before:
@@ -37,5 +41,21 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint() -> None:
             dt.load(path, target)
             for i in range(3):
                 assert np.all(target[f"layer{i}.w"].to_torch() == i)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
+def test_io_error_in_a_collective_write_does_not_hang() -> None:
+    workdir = tempfile.mkdtemp(prefix="dtorch-ioerr-")
+    try:
+        proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable,
+                               os.path.join(HERE, "harness_cases", "io_error_during_save.py"),
+                               os.path.join(workdir, "model.h5")],
+                              capture_output=True, text=True, timeout=120, env=ENV)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out
+        assert "rank 0 raised CheckpointError" in out and "rank 1 raised CheckpointError" in out, out
+        assert "previous checkpoint intact" in out, out
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,168 @@
+"""Reading validated datasets into parameters: verified against the stored checksums, and only
+then copied in, so a failed load changes nothing.
+
+Every rank reads its own hyperslab in the file's dtype and adds its checksum term
+(checksum.py); the terms of all ranks are gathered once, and each dataset's sum must equal
+its stored checksum times the number of ranks that read each element (replicas all read and
+all verify). Two staging modes bound the memory a load needs on top of the model:
+
+- ``"all"`` (default): every piece is read into a new buffer, verified, then copied in. Peak
+  extra memory: every piece this rank loads (one more copy of its share of the model).
+- ``"chunks"``: a first pass reads each piece in chunks of at most ``CHUNK_BYTES`` (or one
+  slice along the piece's first dim, if bigger) and only hashes them; after verification a second
+  pass reads each chunk again, checks that it hashes as in the first pass, and copies it in.
+  Peak extra memory: one chunk (never more than one tensor's piece). It reads the file twice;
+  if the file changes between the passes the load raises with the target partly loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from .._mpi import library_world
+from ..dtypes import identity_value
+from ..errors import CheckpointError
+from ..placement import Partial, Replicate
+from ..redistribute import array_namespace
+from ..spmd import agreed
+from .checksum import MASK, checksum, combine
+from .validate import Entry
+
+STAGING = ("all", "chunks")
+CHUNK_BYTES = 16 << 20
+
+Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, shape) of one hyperslab read
+
+
+def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str], path: str,
+                  staging: str) -> None:
+    """Read ``keys`` from ``entries`` into ``params`` (agreed on every rank)."""
+    world = library_world()
+    if staging == "all":
+        with agreed(world):
+            staged = {key: _read_all(params[key], entries[key].dataset) for key in keys}
+        _verify(world, keys, [staged[k][1] for k in keys], params, entries, path)
+        for key in keys:
+            _commit(params[key], staged.pop(key)[0])
+        return
+    with agreed(world):
+        first = {key: [checksum(raw, off, params[key].shape) for off, raw in _chunks(params[key], entries[key].dataset)]
+                 for key in keys}
+    _verify(world, keys, [sum(first[k]) & MASK for k in keys], params, entries, path)
+    with agreed(world):
+        for key in keys:
+            _stream_into(params[key], entries[key].dataset, first[key], path, key)
+
+
+def _hyperslab(param: Any) -> Block | None:
+    """This rank's block to read, or None when it reads nothing (outside the mesh, Partial identity)."""
+    spec, mesh = param.spec, param.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    if any(isinstance(p, Partial) and p.reduce_op != "avg" and coord[k] for k, p in enumerate(param.placements)):
+        return None
+    shape, offset = spec.local_shape_and_offset
+    return tuple(offset), tuple(shape)
+
+
+def readers_per_element(param: Any) -> int:
+    """How many ranks read each element (replicas and Partial("avg") ranks all read it)."""
+    count = 1
+    for size, p in zip(param.device_mesh.shape, param.placements):
+        if isinstance(p, Replicate) or (isinstance(p, Partial) and p.reduce_op == "avg"):
+            count *= size
+    return count
+
+
+def _read(ds: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    out = np.empty(shape, dtype=ds.dtype)
+    if prod(shape):
+        if shape:
+            ds.read_direct(out, tuple(slice(o, o + n) for o, n in zip(offset, shape)))
+        else:
+            ds.read_direct(out)
+    return out
+
+
+def _filler(param: Any) -> np.ndarray | None:
+    """The piece of a rank that reads nothing: the reduce op's identity, or an empty piece."""
+    shape, _ = param.spec.local_shape_and_offset
+    coord = param.device_mesh.get_coordinate()
+    xp = array_namespace(param.device_mesh.device_type)
+    if coord is None:
+        return xp.empty(shape, dtype=param.dtype)
+    op = next(p.reduce_op for k, p in enumerate(param.placements)
+              if isinstance(p, Partial) and p.reduce_op != "avg" and coord[k])
+    return xp.full(shape, identity_value(param.dtype, op), dtype=param.dtype)
+
+
+def _read_all(param: Any, ds: Any) -> tuple[Any, int]:
+    """This rank's whole piece (in the parameter's dtype and array type) and its checksum term."""
+    block = _hyperslab(param)
+    if block is None:
+        return _filler(param), 0
+    raw = _read(ds, *block)
+    term = checksum(raw, block[0], param.shape)
+    xp = array_namespace(param.device_mesh.device_type)
+    return xp.asarray(raw.astype(param.dtype, copy=False)), term
+
+
+def _chunks(param: Any, ds: Any) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+    """This rank's piece as (offset, raw block) chunks along the piece's first dim."""
+    block = _hyperslab(param)
+    if block is None or not prod(block[1]):
+        return
+    offset, shape = block
+    if not shape:
+        yield offset, _read(ds, offset, shape)
+        return
+    step = max(1, CHUNK_BYTES // max(1, prod(shape[1:]) * ds.dtype.itemsize))
+    for start in range(0, shape[0], step):
+        sub_offset = (offset[0] + start, *offset[1:])
+        yield sub_offset, _read(ds, sub_offset, (min(step, shape[0] - start), *shape[1:]))
+
+
+def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, Any],
+            entries: Mapping[str, Entry], path: str) -> None:
+    """Gather every rank's terms; the same verdict (and error) on every rank."""
+    mine = np.array(terms, dtype=np.uint64)
+    every = np.empty((world.Get_size(), len(keys)), dtype=np.uint64)
+    world.Allgather(mine, every)
+    bad = [key for n, key in enumerate(keys)
+           if combine(every[:, n]) != entries[key].checksum * readers_per_element(params[key]) & MASK]
+    if bad:
+        raise CheckpointError(f"{path}: checksum mismatch in dataset{'s' if len(bad) > 1 else ''} "
+                              f"{', '.join('/' + k.replace('.', '/') for k in bad)}: the data is damaged "
+                              f"(or was never fully written); nothing was loaded")
+
+
+def _commit(param: Any, piece: Any) -> None:
+    local = param.to_local()
+    if local.shape == piece.shape and getattr(local.flags, "writeable", True):
+        local[...] = piece
+    else:
+        param._replace(piece, param.spec)
+
+
+def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> None:
+    """Second pass of ``"chunks"``: re-read, re-check each chunk against the first pass, copy in."""
+    block = _hyperslab(param)
+    if block is None:
+        _commit(param, _filler(param))
+        return
+    local, xp = param.to_local(), array_namespace(param.device_mesh.device_type)
+    direct = local.shape == block[1] and getattr(local.flags, "writeable", True)
+    target = local if direct else xp.empty(block[1], dtype=param.dtype)
+    for n, (off, raw) in enumerate(_chunks(param, ds)):
+        if checksum(raw, off, param.shape) != first[n]:
+            raise CheckpointError(f"{path}: dataset /{key.replace('.', '/')} changed while loading "
+                                  f"(staging='chunks' reads twice); the target is partly loaded")
+        where = tuple(slice(o - b, o - b + s) for o, b, s in zip(off, block[0], raw.shape))
+        target[where] = xp.asarray(raw.astype(param.dtype, copy=False))
+    if not direct:
+        param._replace(target, param.spec)

@@ -1,0 +1,169 @@
+"""A checkpoint is untrusted input: check a file's structure before reading a byte of data.
+
+What a dtorch_mpi checkpoint may contain, and nothing else:
+- groups and datasets reached by hard links only (no soft, external or user-defined links,
+  no object under two names, no member name with a ``.``: keys map one to one to datasets);
+- datasets with contiguous, compact or chunked storage in the file itself: no external raw
+  storage, no virtual datasets, no filters (dtorch_mpi writes none; compression, shuffle,
+  Fletcher32 and plugins are all refused);
+- a chunked dataset's chunk may hold at most ``max(dataset bytes, MAX_CHUNK_FLOOR)`` bytes (so
+  a small tensor cannot make the reader allocate a huge chunk);
+- a simple or scalar dataspace (no null dataspace), and storage that was written;
+- the attributes this module reads are bounded (``MAX_ATTRIBUTE_BYTES``) and well typed:
+  file ``format`` (the string ``dtorch_mpi``) and ``version`` (the integer ``VERSION``);
+  dataset ``dtype`` (the exact dtype string, equal to the stored type) and ``checksum``
+  (a uint64, see checksum.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+FORMAT = "dtorch_mpi"
+VERSION = 2  # 2: per-dataset checksum and dtype attributes (version 1 files are refused)
+MAX_CHUNK_FLOOR = 1 << 20
+MAX_ATTRIBUTE_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One validated dataset: its h5py object and stored checksum."""
+
+    dataset: Any
+    checksum: int
+
+
+def check_header(f: Any, path: str) -> None:
+    """The file's ``format`` and ``version`` attributes, strictly typed."""
+    if "format" not in f.attrs:
+        raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (no format attribute)")
+    fmt = _attribute(f, "format", path, "/")
+    if isinstance(fmt, bytes):
+        fmt = fmt.decode("utf-8", "replace")
+    if not isinstance(fmt, str) or fmt != FORMAT:
+        raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (format attribute {_show(fmt)}; "
+                              f"expected the string {FORMAT!r})")
+    version = _attribute(f, "version", path, "/")
+    if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
+        raise CheckpointError(f"{path}: attribute 'version' must be an integer, got {_show(version)}")
+    if int(version) != VERSION:
+        older = (" (version 1 predates per-dataset checksums, so it cannot be verified: load it with the "
+                 "dtorch_mpi that wrote it and save it again)") if int(version) == 1 else ""
+        raise CheckpointError(f"{path} has checkpoint format version {int(version)}; this dtorch_mpi reads "
+                              f"version {VERSION}{older}")
+
+
+def entries(f: Any, path: str) -> dict[str, Entry]:
+    """Every dataset of the file by key, after checking links, storage, filters, sizes and attributes."""
+    h5py = _h5py()
+    found: dict[str, Entry] = {}
+    seen: set[int] = set()
+
+    def walk(group: Any, prefix: str) -> None:
+        for name in group:
+            where = f"{prefix}/{name}"
+            link = group.get(name, getlink=True)
+            if not isinstance(link, h5py.HardLink):
+                raise CheckpointError(f"{path}: {where} is a {type(link).__name__} (dtorch_mpi checkpoints hold no "
+                                      f"links; refusing to follow it outside the file or to another object)")
+            if "." in name:
+                raise CheckpointError(f"{path}: {where} has a '.' in its name (keys map dots to groups, "
+                                      f"so this name is ambiguous)")
+            obj = group[name]
+            address = h5py.h5o.get_info(obj.id).addr
+            if address in seen:
+                raise CheckpointError(f"{path}: {where} is a second name of an object already seen")
+            seen.add(address)
+            if isinstance(obj, h5py.Group):
+                walk(obj, where)
+            elif isinstance(obj, h5py.Dataset):
+                found[where[1:].replace("/", ".")] = Entry(obj, _check_dataset(obj, where, path))
+            else:
+                raise CheckpointError(f"{path}: {where} is a {type(obj).__name__}, not a group or dataset")
+
+    try:
+        walk(f, "")
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError, KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: the file's structure is damaged ({exc})") from exc
+    return found
+
+
+_LAYOUTS = {"contiguous": 1, "compact": 0, "chunked": 2}
+
+
+def _check_dataset(ds: Any, where: str, path: str) -> int:
+    """Refuse what could read outside the file or allocate without bound; return the stored checksum."""
+    from h5py import h5d
+
+    what = f"{path}: dataset {where}"
+    if ds.is_virtual:
+        raise CheckpointError(f"{what} is a virtual dataset (it reads other files); refused")
+    dcpl = ds.id.get_create_plist()
+    if dcpl.get_external_count():
+        raise CheckpointError(f"{what} keeps its data in external files; refused (data must be inside the checkpoint)")
+    layout = dcpl.get_layout()
+    if layout not in (h5d.CONTIGUOUS, h5d.COMPACT, h5d.CHUNKED):
+        raise CheckpointError(f"{what} has an unsupported storage layout ({layout})")
+    if ds.shape is None:
+        raise CheckpointError(f"{what} has a null dataspace (no shape); a tensor needs a simple or scalar one")
+    nbytes = prod(ds.shape) * ds.dtype.itemsize
+    if layout == h5d.CHUNKED:
+        chunk = prod(dcpl.get_chunk()) * ds.dtype.itemsize
+        limit = max(nbytes, MAX_CHUNK_FLOOR)
+        if chunk > limit:
+            raise CheckpointError(f"{what} is stored in chunks of {chunk} bytes for {nbytes} bytes of data "
+                                  f"(limit: max(dataset bytes, {MAX_CHUNK_FLOOR})); refused")
+    filters = [dcpl.get_filter(i)[3].decode("ascii", "replace") or str(dcpl.get_filter(i)[0])
+               for i in range(dcpl.get_nfilters())]
+    if filters:
+        raise CheckpointError(f"{what} uses HDF5 filters {filters}; dtorch_mpi checkpoints use none (refused)")
+    stored = _attribute(ds, "dtype", path, where)
+    if isinstance(stored, bytes):
+        stored = stored.decode("utf-8", "replace")
+    if not isinstance(stored, str) or stored != ds.dtype.str:
+        raise CheckpointError(f"{what} is stored as {ds.dtype.str} but its 'dtype' attribute says {_show(stored)}: "
+                              f"the file's metadata is damaged")
+    checksum = _attribute(ds, "checksum", path, where)
+    if not isinstance(checksum, np.uint64):
+        raise CheckpointError(f"{what}: attribute 'checksum' must be a uint64, got {_show(checksum)}")
+    if nbytes and not ds.id.get_storage_size():
+        raise CheckpointError(f"{what} has no data stored (it was never written)")
+    return int(checksum)
+
+
+def _attribute(obj: Any, name: str, path: str, where: str) -> Any:
+    """Read one attribute after bounding its size; a missing one is an error."""
+    if name not in obj.attrs:
+        raise CheckpointError(f"{path}: {where} lacks the attribute {name!r}")
+    attr = obj.attrs.get_id(name)
+    if attr.get_storage_size() > MAX_ATTRIBUTE_BYTES:
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} holds {attr.get_storage_size()} bytes "
+                              f"(limit {MAX_ATTRIBUTE_BYTES})")
+    try:
+        value = obj.attrs[name]
+    except (OSError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} cannot be read ({exc})") from exc
+    if isinstance(value, np.ndarray):
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {value.shape}; "
+                              f"expected a scalar")
+    return value
+
+
+def _show(value: Any) -> str:
+    """Type and (shortened) value, for messages."""
+    plain = value.item() if isinstance(value, np.generic) else value
+    return f"{type(plain).__name__} {repr(plain)[:60]}"
+
+
+def _h5py() -> Any:
+    import h5py
+
+    return h5py
