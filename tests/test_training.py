@@ -14,9 +14,9 @@ import pytest
 from conftest import SIZE
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-import train_mlp  # noqa: E402
+import train_mlp
 
-import dtorch_mpi as dt  # noqa: E402
+import dtorch_mpi as dt
 
 PLANS = [p for p in sorted(train_mlp.PLANS) if train_mlp.mesh_shape(p, SIZE) is not None]
 STEPS = 4
