@@ -66,3 +66,15 @@ def test_train_mlp_same_curve_on_every_plan_and_rank_count() -> None:
     assert len(first) == 5 and first[-1] < first[0], first
     for key, curve in curves.items():
         assert max(abs(a - b) for a, b in zip(curve, first)) < 1e-9 and len(curve) == 5, (key, curve, first)
+
+
+def test_train_transformer_block_whole_heads_same_curve() -> None:
+    """4 heads over 3 ranks stay whole (2/1/1); the loss falls and its curve equals the one-rank run."""
+    curves = []
+    for ranks in ("1", "3"):
+        out = run("-n", ranks, sys.executable, "examples/train_transformer_block.py", "--steps", "10")
+        assert "loss decreased: True" in out, out
+        curves.append([float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")])
+    assert "heads per rank: [2, 1, 1]" in out and "optimizer step: 0 (none)" in out, out
+    assert "forward: 5 (all_reduce" in out and "backward: 3 (all_reduce" in out, out
+    assert len(curves[0]) == 10 and max(abs(a - b) for a, b in zip(*curves)) < 1e-9, curves
