@@ -18,9 +18,12 @@ MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or os.path.join(
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches mpiexec; runs in the 1-process pass")
 
 
+# `python examples/x.py` puts examples/ first on sys.path: name this checkout's package
+ENV = dict(os.environ, MPIEXEC=MPIEXEC, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+
+
 def run(*args: str) -> str:
-    proc = subprocess.run([*MPIEXEC.split(), *args], capture_output=True, text=True, timeout=180, cwd=ROOT,
-                          env=dict(os.environ, MPIEXEC=MPIEXEC))
+    proc = subprocess.run([*MPIEXEC.split(), *args], capture_output=True, text=True, timeout=180, cwd=ROOT, env=ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -43,9 +46,35 @@ def test_checkpoint_reshard() -> None:
     directory = tempfile.mkdtemp()
     try:
         proc = subprocess.run([sys.executable, "examples/checkpoint_reshard.py", directory], capture_output=True,
-                              text=True, timeout=180, cwd=ROOT, env=dict(os.environ, MPIEXEC=MPIEXEC))
+                              text=True, timeout=180, cwd=ROOT, env=ENV)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "saved at 4 ranks" in proc.stdout
         assert "loaded at 2 ranks: weights equal True, forward equals NumPy True" in proc.stdout
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_train_mlp_same_curve_on_every_plan_and_rank_count() -> None:
+    curves = {}
+    for ranks, plan in (("1", "replicated"), ("3", "dp"), ("3", "tp"), ("4", "dp_tp")):
+        out = run("-n", ranks, sys.executable, "examples/train_mlp.py", "--plan", plan, "--optimizer", "adamw",
+                  "--task", "classification", "--steps", "5")
+        curves[(ranks, plan)] = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
+        deviation = [line for line in out.splitlines() if line.startswith("max |loss - NumPy reference|")]
+        assert deviation and float(deviation[0].split()[5].rstrip(",")) < 1e-9, out
+    first = curves[("1", "replicated")]
+    assert len(first) == 5 and first[-1] < first[0], first
+    for key, curve in curves.items():
+        assert max(abs(a - b) for a, b in zip(curve, first)) < 1e-9 and len(curve) == 5, (key, curve, first)
+
+
+def test_train_transformer_block_whole_heads_same_curve() -> None:
+    """4 heads over 3 ranks stay whole (2/1/1); the loss falls and its curve equals the one-rank run."""
+    curves = []
+    for ranks in ("1", "3"):
+        out = run("-n", ranks, sys.executable, "examples/train_transformer_block.py", "--steps", "10")
+        assert "loss decreased: True" in out, out
+        curves.append([float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")])
+    assert "heads per rank: [2, 1, 1]" in out and "optimizer step: 0 (none)" in out, out
+    assert "forward: 5 (all_reduce" in out and "backward: 3 (all_reduce" in out, out
+    assert len(curves[0]) == 10 and max(abs(a - b) for a, b in zip(*curves)) < 1e-9, curves

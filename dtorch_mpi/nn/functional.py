@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 
 from .. import factory
+from ..autograd.function import needs_recording
+from ..autograd.graph import attach
 from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..ops.catalog import log_softmax, softmax
@@ -20,8 +22,9 @@ from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute import array_namespace
 from ..spec import DTensorSpec
 from ..spmd import agreed
+from .losses import cross_entropy
 
-__all__ = ["dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax", "mse_loss", "relu",
+__all__ = ["cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax", "mse_loss", "relu",
            "rms_norm", "silu", "softmax"]
 
 
@@ -136,10 +139,37 @@ def embedding(index: Any, weight: DTensor) -> DTensor:
     with agreed(comm):  # a sharded index: ranks hold different indices, so agree on the check
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= num):
             raise IndexError(f"embedding: index out of range [0, {num}) (got {int(idx.min())}..{int(idx.max())})")
-    if rows == num:
-        return DTensor(table[idx], spec)
     xp = array_namespace(mesh.device_type)
     own = (idx >= row0) & (idx < row0 + rows)
-    out = xp.zeros(idx.shape + (table.shape[1],), dtype=table.dtype)
-    out[own] = table[idx[own] - row0]
-    return DTensor(out, spec)
+    if rows == num:
+        out = table[idx]
+    else:
+        out = xp.zeros(idx.shape + (table.shape[1],), dtype=table.dtype)
+        out[own] = table[idx[own] - row0]
+    result = DTensor(out, spec)
+    if not needs_recording((weight,)):
+        return result
+    hit_rows, w_spec = idx[own] - row0, weight.spec
+
+    def backward(grad: DTensor) -> list[DTensor | None]:
+        """Each looked-up row's gradient added into that row of this rank's piece (the
+        adjoint of the local gather): a Shard weight gets its Shard back, a Replicate weight
+        the output gradient's placement, or Partial("sum") where the index is sharded."""
+        g = grad.to_local()
+        local = xp.zeros(w_spec.local_shape, dtype=w_spec.dtype)
+        scatter_add(local, hit_rows, g[own])
+        plc = tuple(w if isinstance(w, Shard) else Partial("sum") if isinstance(i, Shard) else gp
+                    for w, i, gp in zip(w_spec.placements, index.placements, grad.placements))
+        return [DTensor(local, w_spec.with_placements(plc))]
+
+    return attach(result, "embedding", (weight,), backward)
+
+
+def scatter_add(out: Any, rows: Any, values: Any) -> None:
+    """``out[rows[i]] += values[i]`` with repeated rows summed (NumPy's or CuPy's add.at)."""
+    if isinstance(out, np.ndarray):
+        np.add.at(out, rows, values)
+    else:  # CuPy
+        import cupyx  # type: ignore[import-not-found]
+
+        cupyx.scatter_add(out, rows, values)
