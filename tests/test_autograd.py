@@ -134,7 +134,7 @@ def test_unary_backward_every_rule(op: str, mesh1d: dt.DeviceMesh, rule_hits: se
 
 BINARY_REF = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.divide,
               "maximum": np.maximum, "minimum": np.minimum, "pow": np.power, "arctan2": np.arctan2,
-              "hypot": np.hypot, "mod": np.mod}
+              "hypot": np.hypot, "mod": np.mod, "floordiv": np.floor_divide}
 BINARY_SHAPES = [((SIZE + 2, 3), (SIZE + 2, 3)), ((SIZE + 2, 3), (3,)), ((2, SIZE + 1), (1, SIZE + 1)),
                  ((0, 3), (0, 3))]
 
@@ -179,12 +179,13 @@ def test_where_and_clip_and_astype_backward(mesh1d: dt.DeviceMesh, rule_hits: se
             grad_check(lambda a, b: dt.where(cond, a, b), lambda a, b: np.where(cond_full, a, b), [A, B],
                        [pl[1], pl[2]], mesh1d, check, f"where {pl}", allow_placement_error=True)
     A = values((SIZE + 1, 3), 8, 0, 3)
-    for plc in ([dt.Shard(0)], [R], [dt.Partial("sum")]):
+    for plc in [[dt.Shard(0)], [dt.Shard(1)], [R]] + [[dt.Partial(p)] for p in ("sum", "avg", "max", "min")]:
         if not isinstance(plc[0], dt.Partial):
             grad_check(lambda a: a.clip(1.0, 2.0), lambda a: np.clip(a, 1.0, 2.0), [A], [plc], mesh1d, check, "clip")
         grad_check(lambda a: a.astype(np.float32).astype(np.float64), lambda a: a, [A], [plc], mesh1d, check,
                    "astype")
     check.done()
+    assert_all_rules_ran(rule_hits, ["where", "clip", "astype"])
 
 
 @op_tests_only_on_auto
@@ -245,6 +246,7 @@ def test_layout_and_softmax_backward_every_rule(mesh1d: dt.DeviceMesh, mesh2d: d
         ("stack", lambda x: dt.stack([x, x], dim=1), lambda a: np.stack([a, a], 1)),
         ("softmax", lambda x: x.softmax(1), lambda a: _softmax_ref(a, 1, False)),
         ("log_softmax", lambda x: dt.log_softmax(x, 2), lambda a: _softmax_ref(a, 2, True)),
+        ("cumsum", lambda x: dt.cumsum(x, 1), lambda a: np.cumsum(a, 1)),
     ]
     for n in (0, SIZE + 1):
         full = values((n, 3, 2), 11)
@@ -255,7 +257,8 @@ def test_layout_and_softmax_backward_every_rule(mesh1d: dt.DeviceMesh, mesh2d: d
     t = values((SIZE + 1, 3), 12)
     grad_check(lambda x: x.T, lambda a: a.T, [t], [[dt.Shard(0), dt.Shard(1)]], mesh2d, check, "T 2-D mesh")
     check.done()
-    assert_all_rules_ran(rule_hits, ["transpose", "reshape", "getitem", "cat", "stack", "softmax"])
+    assert_all_rules_ran(rule_hits, ["transpose", "reshape", "getitem", "cat", "stack", "softmax", "log_softmax",
+                                     "cumsum"])
 
 
 # --- redistribute: its backward is its adjoint ----------------------------------------------
@@ -428,3 +431,25 @@ def test_requires_grad_keyword_on_every_constructor(mesh1d: dt.DeviceMesh) -> No
     loss = (made[0] * made[0]).sum() + (made[1] * made[1]).sum()
     loss.backward()
     np.testing.assert_allclose(made[1].grad.to_torch(), 2 * np.ones((SIZE + 1, 2)))
+
+
+@pytest.mark.skipif(SIZE < 2, reason="needs a rank outside the mesh")
+def test_backward_with_a_rank_outside_the_mesh(check: Checker) -> None:
+    """Every world rank runs the program; the last one is outside the mesh (empty pieces) and
+    must neither hang nor disturb the others' gradients."""
+    with dt.DeviceMesh("cpu", list(range(SIZE - 1))) as mesh:
+        X, W = values((SIZE + 2, 3), 1), values((3, 2), 2)
+        x = dt.distribute_tensor(X, mesh, [dt.Shard(0)], requires_grad=True)
+        w = dt.distribute_tensor(W, mesh, [R], requires_grad=True)
+        y = (x @ w).tanh().redistribute(placements=[R])
+        loss = (y * y).sum()
+        loss.backward()
+        assert x.grad is not None and w.grad is not None
+        gy = 2 * np.tanh(X @ W) * (1 - np.tanh(X @ W) ** 2)
+        gx, gw = x.grad.to_torch(), w.grad.to_torch()
+        if mesh.get_coordinate() is None:
+            check.true(gx is None and gw is None, "outside rank gets no complete value")
+        else:
+            check.equal(gx, gy @ W.T, "dx", exact=False)
+            check.equal(gw, X.T @ gy, "dw", exact=False)
+    check.done()
