@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from types import TracebackType
 from typing import Any
 
@@ -27,6 +28,7 @@ ENV = "DTORCH_ABORT_ON_EXCEPTION"
 _OFF = ("0", "false", "no", "off")
 
 _installed = False
+_FORWARD_GRACE_S = 0.2
 
 
 def enabled() -> bool:
@@ -72,5 +74,8 @@ def _abort(kind: str, where: str, print_traceback: Any) -> None:
         print_traceback()
         sys.stderr.flush()
         sys.stdout.flush()
+        # give the launcher a moment to forward what was just printed: MPI_Abort tears down
+        # its output forwarding, and under load the traceback was sometimes lost
+        time.sleep(_FORWARD_GRACE_S)
     finally:
         world.Abort(1)
