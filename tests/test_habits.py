@@ -5,9 +5,12 @@ the same error (the collective verdict fails a test where ranks differ)."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
+import os
 import pickle
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -139,9 +142,10 @@ def test_plain_array_operands_are_refused_either_side(mesh1d: dt.DeviceMesh) -> 
 def test_pickle_points_to_save_and_to_torch(mesh1d: dt.DeviceMesh) -> None:
     x = dt.ones(SIZE + 1, device_mesh=mesh1d, placements=[S0])
     p = nn.Linear(2, 3, device_mesh=mesh1d).weight
-    for obj in (x, p, {"w": p}):
-        with pytest.raises(TypeError, match=r"cannot be pickled.*dt\.save.*to_torch\(\)"):
-            pickle.dumps(obj)
+    for dump, objs in ((pickle.dumps, (x, p, {"w": p})), (copy.deepcopy, (x, p, {"w": p})), (copy.copy, (x, p))):
+        for obj in objs:
+            with pytest.raises(TypeError, match=r"cannot be pickled.*dt\.save.*to_torch\(\).*clone\(\)"):
+                dump(obj)
     assert np.array_equal(pickle.loads(pickle.dumps(x.to_torch())), np.ones(SIZE + 1))
 
 
@@ -267,3 +271,23 @@ def test_rowwise_plain_input_is_checked_on_every_rank(mesh1d: dt.DeviceMesh, che
             continue  # right on every rank (one rank, or every piece that wide)
         with pytest.raises(dt.ShapeMismatchError, match=r"RowwiseParallel takes a plain input .* expects local shape"):
             lin(wrong)
+
+
+# --- docs stand alone in a clone ---------------------------------------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                        if f.endswith(".md")]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_docs_stand_alone(doc: str) -> None:
+    """Every relative link and every repository path a page names exists in the repository,
+    and no page points outside it (``../shared``) or to the issue tracker ("issue 3")."""
+    text = open(os.path.join(ROOT, doc)).read()
+    here = os.path.dirname(os.path.join(ROOT, doc))
+    links = [t for t in re.findall(r"\]\(([^)#\s]+)", text) if "://" not in t]
+    paths = re.findall(r"`((?:docs|examples|scripts|tests|dtorch_mpi)/[\w./-]+\.(?:md|py|sh))`", text)
+    missing = [t for t in links if not os.path.exists(os.path.join(here, t))]
+    missing += [t for t in paths if not os.path.exists(os.path.join(ROOT, t))]
+    assert not missing, f"{doc} names what a clone does not have: {missing}"
+    assert "../shared" not in text and not re.search(r"\bissue \d", text, re.I), f"{doc} points outside the repository"
