@@ -14,7 +14,7 @@ from ._mpi import library_world
 from .autograd.grad_mode import _GradMode, note_requires_grad
 from .comm.config import spmd_debug
 from .dtypes import check_dtype, dtype_code, dtype_from_code, reduction_op, to_native
-from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
+from .errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import CompiledHandle, array_namespace, compile_plan, run_compiled
@@ -35,6 +35,11 @@ def _normalized(placements: Sequence[Placement] | Placement, mesh_ndim: int, ndi
         return _normalized_tuple(tuple(placements), mesh_ndim, ndim)
     except TypeError:  # unhashable entries: let normalize_placements name the problem
         return normalize_placements(placements, mesh_ndim, ndim)
+
+
+_UFUNC_NAMES = {"absolute": "abs", "equal": "eq", "not_equal": "ne", "less": "lt", "less_equal": "le",
+                "greater": "gt", "greater_equal": "ge", "invert": "bitwise_not"}
+"""NumPy ufuncs whose dtorch operator has another name (``DTensor.__array_ufunc__``)."""
 
 
 class DTensor:
@@ -168,6 +173,90 @@ class DTensor:
             f"mesh={self.device_mesh.shape}, local_shape={self._spec.local_shape})"
         )
 
+    # --- Python and NumPy protocols (docs/concepts.md "Python and NumPy protocols") -------
+    # None of them communicates: each decision is a function of metadata every rank shares,
+    # so every rank returns the same value or raises the same error.
+    def item(self) -> Any:
+        """The value of a one-element tensor as a Python scalar, where this rank holds it
+        (every mesh dim ``Replicate``); otherwise a clear error naming the redistribute."""
+        if self.size != 1:
+            raise ValueError(
+                f"only a one-element DTensor converts to a Python scalar; this one has shape {self.shape}"
+            )
+        if any(not isinstance(p, Replicate) for p in self.placements):
+            full = ", ".join(["Replicate()"] * self.device_mesh.ndim)
+            raise PlacementError(
+                f"the value of this one-element DTensor is not local (placements {list(self.placements)}): "
+                f"make it so explicitly with x = x.redistribute(placements=[{full}]) (one small "
+                f"collective, every rank calls it), or read x.to_torch()"
+            )
+        if self.device_mesh.get_coordinate() is None:
+            raise MeshMismatchError("this rank is outside the tensor's mesh and holds no value")
+        return self.to_local().item()
+
+    def __bool__(self) -> bool:
+        if self.size != 1:
+            raise ValueError(
+                "The truth value of a DTensor with more than one element is ambiguous. Use a.any() or a.all()"
+                if self.size else
+                "The truth value of an empty DTensor is ambiguous. Use `a.size > 0` to check that it is not empty."
+            )
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __iter__(self) -> Any:
+        raise TypeError(
+            "a DTensor is not iterable element by element (its rows may live on other ranks); "
+            "index it (x[i]) or iterate x.to_torch() (the complete value) or x.to_local() (this rank's piece)"
+        )
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        raise TypeError(
+            "a DTensor does not convert to a NumPy array implicitly (that would gather it without "
+            "saying so): x.to_torch() is the complete value on every rank, x.to_local() this rank's piece"
+        )
+
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """A NumPy ufunc called as a function runs the dtorch operator of the same name (same
+        placement rules, no hidden communication): ``np.exp(x)`` is ``dt.exp(x)`` and
+        ``np.float64(2) * x`` is ``dt.multiply``; a plain array operand is refused as it is in
+        ``x + array``. Other ufuncs, ufunc methods and ``out=``/``where=`` raise TypeError."""
+        from .ops.registry import exported
+
+        fn = exported().get(_UFUNC_NAMES.get(ufunc.__name__, ufunc.__name__))
+        if fn is None or method != "__call__" or kwargs:
+            call = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
+            extra = f" with {sorted(kwargs)}" if kwargs and fn is not None and method == "__call__" else ""
+            raise TypeError(
+                f"{call}{extra} does not run on a DTensor"
+                + (f"; use dt.{fn.__name__}(...)" if fn is not None else "")
+                + "; for NumPy, x.to_torch() is the complete value on every rank, x.to_local() this rank's piece"
+            )
+        # NumPy hands a scalar operand (np.float64(2) * x) over as a 0-d array: a scalar again
+        return fn(*(a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs))
+
+    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        from .ops.registry import exported
+
+        name = getattr(func, "__name__", str(func))
+        hint = f"use dt.{name}(...) (see dt.signature({name!r})); " if name in exported() else ""
+        raise TypeError(
+            f"numpy.{name} does not run on a DTensor: {hint}for NumPy, x.to_torch() is the complete "
+            f"value on every rank, x.to_local() this rank's piece"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a DTensor cannot be pickled (its pieces live on several ranks and its mesh holds an MPI "
+            "communicator): save it with dt.save({'x': x}, path) (HDF5, every rank calls it), or "
+            "pickle x.to_torch() (the complete value) or x.to_local() (this rank's piece); x.clone() copies it"
+        )
+
     if TYPE_CHECKING:  # operators and methods installed by dtorch_mpi.ops (see signature())
         T: DTensor
 
@@ -227,6 +316,12 @@ class DTensor:
         ``.wait()``.
         """
         mesh = self.device_mesh
+        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(
+                f"redistribute(device_mesh=None, placements=None): the first positional argument is "
+                f"device_mesh, got {device_mesh!r}; pass the placements by keyword: "
+                f"x.redistribute(placements={device_mesh!r})"
+            )
         if device_mesh is not None and device_mesh != mesh:
             raise MeshMismatchError(
                 f"redistribute to another mesh is not supported: the tensor lives on {mesh!r}, "

@@ -16,7 +16,7 @@ rank, size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 say = print if rank == 0 else (lambda *a, **k: None)
 mesh = dt.init_device_mesh("cpu", (size,), mesh_dim_names=("tp",))
 
-# 1. The SPEC's example: [4, 11] sharded on dim 1 (uneven: 11 = 3+3+3+2 over 4 ranks).
+# 1. The contract's example (docs/contract.md): [4, 11] sharded on dim 1 (uneven: 11 = 3+3+3+2 over 4 ranks).
 full = np.arange(44, dtype=np.float32).reshape(4, 11)
 x = dt.distribute_tensor(full, mesh, [dt.Shard(1)])
 say(f"x = {x}")

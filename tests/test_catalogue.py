@@ -4,6 +4,7 @@ to fix, raised on every rank (the collective verdict fails the test if any rank 
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -81,7 +82,10 @@ def _on_two_meshes(mesh: dt.DeviceMesh) -> Any:
 
 def _divergent_seed(mesh: dt.DeviceMesh) -> Any:
     dt.manual_seed(RANK)
-    return dt.randn(4, device_mesh=mesh)
+    try:
+        return dt.randn(4, device_mesh=mesh)
+    finally:  # leave one sequence on every rank: later tests' "replicated" parameters must agree
+        dt.manual_seed(0)
 
 
 CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = [
@@ -155,6 +159,17 @@ CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = 
     ("cast of a partial to int", lambda m: _ones(m, 3, plc=[dt.Partial()]).astype(np.int32), dt.PlacementError, "redistribute first"),
     ("prod over a sharded dim", lambda m: _ones(m, 4).prod(), dt.PlacementError, "Accepted rules"),
     ("operands on different meshes", lambda m: _ones(m, 4) + _ones(dt.DeviceMesh("cpu", np.arange(SIZE).reshape(SIZE, 1)), 4, plc=[dt.Shard(0), dt.Replicate()]), dt.MeshMismatchError, "different meshes"),
+    # Python and NumPy habits (issue 13)
+    ("bool of a many-element tensor", lambda m: bool(_ones(m, 5, 4) > 1), ValueError, "more than one element is ambiguous"),
+    ("float of a Partial scalar", lambda m: float(_ones(m, SIZE + 1).sum()), dt.PlacementError, r"not local .*redistribute\(placements=\[Replicate\(\)\]\)"),
+    ("item of a many-element tensor", lambda m: _ones(m, 3).item(), ValueError, "only a one-element DTensor"),
+    ("np.asarray of a DTensor", lambda m: np.asarray(_ones(m, 3)), TypeError, r"x\.to_torch\(\) is the complete value"),
+    ("iterate a DTensor", lambda m: list(_ones(m, 3)), TypeError, "not iterable element by element"),
+    ("np.sum of a DTensor", lambda m: np.sum(_ones(m, 3)), TypeError, r"use dt\.sum\(\.\.\.\)"),
+    ("ndarray + DTensor", lambda m: np.ones(3) + _ones(m, 3), TypeError, "not a DTensor; make it one explicitly"),
+    ("pickle a DTensor", lambda m: pickle.dumps(_ones(m, 3)), TypeError, r"cannot be pickled.*dt\.save"),
+    ("redistribute placements positionally", lambda m: _ones(m, 3).redistribute([dt.Replicate()]), TypeError, "first positional argument is device_mesh"),
+    ("RowwiseParallel full-width input", lambda m: dt.parallelize_module(dt.nn.Linear(13, 6, device_mesh=m), m, dt.RowwiseParallel())(np.ones((5, 13), np.float32)), dt.ShapeMismatchError, r"expects local shape \(5, \d+\)"),
     # state_dict
     ("state_dict missing key", lambda m: dt.nn.Linear(2, 3, device_mesh=m).load_state_dict({"weight": np.ones((3, 2))}), dt.StateDictError, r"missing keys \['bias'\]"),
     ("state_dict wrong shape", lambda m: dt.nn.Linear(2, 3, device_mesh=m).load_state_dict({"weight": np.ones((2, 3)), "bias": np.ones(3)}), dt.ShapeMismatchError, "weight: value has shape"),
@@ -175,7 +190,8 @@ NEEDS_TWO_RANKS = {"from_local rank-divergent dtype", "from_local off the split 
                    "distribute_tensor rank-divergent source", "distribute_tensor source out of range on one rank",
                    "from_local rank-divergent placements", "DeviceMesh invalid on one rank",
                    "ranks pass different meshes", "debug: trusted from_local with divergent placements",
-                   "debug: ranks on different meshes", "debug: divergent manual_seed"}
+                   "debug: ranks on different meshes", "debug: divergent manual_seed",
+                   "RowwiseParallel full-width input"}
 """Cases whose bad input only exists when ranks disagree."""
 
 

@@ -1,5 +1,14 @@
 """Layers: Linear, ReLU, Sequential, LayerNorm, RMSNorm, Embedding, GELU, SiLU, Dropout. Initial values come from the
-sharding-invariant RNG, so a model has the same weights whatever its parallel plan."""
+sharding-invariant RNG, so a model has the same weights whatever its parallel plan.
+
+A plain (NumPy/CuPy) array input is handled one way by every layer (docs/concepts.md, "Modules
+and plain arrays"): a layer with parameters takes it as the complete value, the same on every
+rank (``Replicate`` on the parameters' mesh: no communication, no check), as ``Embedding`` takes
+a plain index and ``ColwiseParallel`` a plain input, and returns a DTensor; a parameter-free
+elementwise layer (ReLU, GELU, SiLU, Dropout) computes on the array where it is and returns an
+array, which is how the local outputs of parallel layers (``use_local_output=True``) flow
+between them.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +18,13 @@ from typing import Any, cast
 import numpy as np
 
 from .. import factory
+from .. import random as _random
 from ..dtensor import DTensor
+from ..errors import DTypeMismatchError
 from ..mesh import DeviceMesh, init_device_mesh
+from ..ops import kernels as K
 from ..placement import Replicate
+from ..redistribute import array_namespace
 from . import functional as F
 from .functional import linear
 from .module import Module, Parameter
@@ -34,6 +47,21 @@ def _uniform(shape: tuple[int, ...], bound: float, mesh: DeviceMesh, dtype: Any)
     return Parameter(cast(DTensor, u * (2 * bound) - bound))
 
 
+def lift(x: Any, mesh: DeviceMesh) -> DTensor:
+    """A layer's input as a DTensor: a plain array is the complete value, the same on every rank
+    (``Replicate`` on every dim of ``mesh``; no communication, no check that ranks agree)."""
+    if isinstance(x, DTensor):
+        return x
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"a layer takes a DTensor or an array, got {type(x).__name__}")
+    return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, shape=x.shape)
+
+
+def _xp(x: Any) -> Any:
+    """The array library of a plain array (NumPy or CuPy)."""
+    return np if isinstance(x, np.ndarray) else array_namespace("cuda")
+
+
 class Linear(Module):
     """``y = x @ W.T + b`` with ``W`` of shape ``[out_features, in_features]`` (like torch),
     initialised uniform in ±1/sqrt(in_features), replicated until a plan shards it."""
@@ -51,7 +79,7 @@ class Linear(Module):
         self.register_parameter("bias", _uniform((out_features,), bound, mesh, dtype) if bias else None)
 
     def forward(self, x: Any) -> Any:
-        return linear(x, self.weight, self.bias)
+        return linear(lift(x, self.weight.device_mesh), self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -61,9 +89,7 @@ class ReLU(Module):
     """max(x, 0) on DTensors and on plain local arrays (between parallel layers)."""
 
     def forward(self, x: Any) -> Any:
-        if isinstance(x, DTensor):
-            return x.relu()
-        return x * (x > 0)
+        return x.relu() if isinstance(x, DTensor) else K.relu(_xp(x), x)
 
 
 class Sequential(Module):
@@ -96,8 +122,8 @@ class LayerNorm(Module):
         self.weight = Parameter(factory.ones(normalized_shape, dtype=dtype, device_mesh=mesh, placements=rep))
         self.bias = Parameter(factory.zeros(normalized_shape, dtype=dtype, device_mesh=mesh, placements=rep))
 
-    def forward(self, x: DTensor) -> DTensor:
-        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+    def forward(self, x: Any) -> DTensor:
+        return F.layer_norm(lift(x, self.weight.device_mesh), self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}"
@@ -117,8 +143,8 @@ class RMSNorm(Module):
         self.dim, self.eps = dim, eps
         self.weight = _replicated(factory.ones, (dim,), device_mesh or default_mesh(), dtype)
 
-    def forward(self, x: DTensor) -> DTensor:
-        return F.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Any) -> DTensor:
+        return F.rms_norm(lift(x, self.weight.device_mesh), self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
@@ -150,8 +176,10 @@ class GELU(Module):
         super().__init__()
         self.approximate = approximate
 
-    def forward(self, x: DTensor) -> DTensor:
-        return F.gelu(x, self.approximate)
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, DTensor):
+            return F.gelu(x, self.approximate)
+        return K.gelu(_xp(x), x, self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
@@ -160,8 +188,8 @@ class GELU(Module):
 class SiLU(Module):
     """``x * sigmoid(x)``."""
 
-    def forward(self, x: DTensor) -> DTensor:
-        return F.silu(x)
+    def forward(self, x: Any) -> Any:
+        return F.silu(x) if isinstance(x, DTensor) else K.silu(_xp(x), x)
 
 
 class Dropout(Module):
@@ -174,8 +202,15 @@ class Dropout(Module):
             raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
         self.p = p
 
-    def forward(self, x: DTensor) -> DTensor:
-        return F.dropout(x, self.p, self.training)
+    def forward(self, x: Any) -> Any:
+        if isinstance(x, DTensor) or not self.training or self.p in (0.0, 1.0):
+            return F.dropout(x, self.p, self.training)
+        # a plain array: the mask a replicated tensor of its shape gets (the same random call)
+        dtype = np.dtype(x.dtype)
+        if dtype.kind != "f":
+            raise DTypeMismatchError(f"Dropout needs a floating-point input, got {dtype}")
+        u = _random.uniform(_random.next_key(), x.shape, x.shape, (0,) * x.ndim, dtype, _xp(x))
+        return x * ((u >= self.p).astype(dtype) * (1.0 / (1.0 - self.p)))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -16,8 +16,11 @@ from typing import Any
 import numpy as np
 
 from ..dtensor import DTensor
+from ..errors import ShapeMismatchError
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
+from ..split import local_shape_and_offset
+from ..spmd import agreed
 from . import functional as F
 from .layers import Embedding, Linear
 from .module import Module, Parameter
@@ -44,14 +47,36 @@ def _shard_param(param: Parameter | None, placement: Placement) -> None:
                    else moved.to_local().copy(), moved.spec)
 
 
-def _as_input(x: Any, layout: Placement, mesh: DeviceMesh, in_features: int) -> DTensor:
+def _as_input(x: Any, layout: Placement, mesh: DeviceMesh, in_features: int, style: str) -> DTensor:
+    """A style's input as a DTensor: a plain array is this rank's piece in ``layout``."""
     if isinstance(x, DTensor):
         return x
     if isinstance(layout, Replicate):
         return DTensor.from_local(x, mesh, [layout], shape=x.shape)
     if isinstance(layout, Shard) and layout.dim in (-1, x.ndim - 1):
-        return DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], shape=x.shape[:-1] + (in_features,))
+        return _feature_piece(x, mesh, in_features, style)
     return DTensor.from_local(x, mesh, [layout])
+
+
+def _feature_piece(x: Any, mesh: DeviceMesh, in_features: int, style: str) -> DTensor:
+    """A plain array taken as this rank's ``Shard(-1)`` piece of ``in_features`` columns.
+
+    Each rank can check only its own piece, so the outcome is agreed (one 4-byte all-reduce
+    of a flag): a wrong piece on any rank raises ``ShapeMismatchError`` on every rank, naming
+    each failing rank's expected local shape (a full-width array is the usual mistake).
+    """
+    shape, coord = tuple(x.shape[:-1]) + (in_features,), mesh.get_coordinate()
+    with agreed(mesh.get_comm()):
+        if coord is not None:
+            want, offset = local_shape_and_offset(shape, mesh.shape, (Shard(x.ndim - 1),), coord)
+            if tuple(x.shape) != want:
+                raise ShapeMismatchError(
+                    f"{style} takes a plain input as this rank's Shard(-1) piece of {in_features} features: "
+                    f"coordinate {coord} expects local shape {want} (columns {offset[-1]}:"
+                    f"{offset[-1] + want[-1]}), got {tuple(x.shape)}; pass that slice, a DTensor, or "
+                    f"input_layouts=Replicate() for a complete input"
+                )
+    return DTensor.from_local(x, mesh, [Shard(x.ndim - 1)], shape=shape)
 
 
 def _embedding_style(module: Embedding, mesh: DeviceMesh, weight: Placement, style: ParallelStyle) -> Module:
@@ -102,7 +127,7 @@ class ColwiseParallel(ParallelStyle):
         _shard_param(lin.bias, Shard(0))
 
         def forward(x: Any) -> Any:
-            x = _as_input(x, self.input_layouts, mesh, lin.in_features)
+            x = _as_input(x, self.input_layouts, mesh, lin.in_features, "ColwiseParallel")
             if x.placements != (Replicate(),):
                 x = x.redistribute(placements=[Replicate()])
             y = x @ lin.weight.T
@@ -137,7 +162,7 @@ class RowwiseParallel(ParallelStyle):
         _shard_param(lin.weight, Shard(1))
 
         def forward(x: Any) -> Any:
-            x = _as_input(x, self.input_layouts, mesh, lin.in_features)
+            x = _as_input(x, self.input_layouts, mesh, lin.in_features, "RowwiseParallel")
             want = Shard(x.ndim - 1)
             if x.placements != (want,):
                 x = x.redistribute(placements=[want])
