@@ -522,3 +522,64 @@ def test_dtensor_typing_stubs_name_only_declared_methods() -> None:
     stubbed = set(re.findall(r"def (\w+)\(", block)) | set(re.findall(r"^\s+(\w+): DTensor$", block, re.M))
     bound = {name for op in OPS.values() for name in op.methods}
     assert stubbed - {"__getattr__"} <= bound, stubbed - bound
+
+
+# --- the suggested fix is the cheapest (issue 13 items 8, 9) -----------------------------------
+LOPSIDED = [
+    # (what, big operand, small operand, call, NumPy, the fix that must be suggested)
+    ("x - x.mean(0)", ((4099, 7), [dt.Shard(0)]), ((7,), [dt.Partial("sum")]), lambda a, b: a - b,
+     np.subtract, ("b", [dt.Replicate()])),
+    ("X @ w", ((1003, 17), [dt.Shard(0)]), ((17,), [dt.Partial("sum")]), lambda a, b: a @ b,
+     np.matmul, ("b", [dt.Replicate()])),
+    ("w @ X.T", ((17,), [dt.Partial("sum")]), ((17, 1003), [dt.Shard(1)]), lambda a, b: a @ b,
+     np.matmul, ("a", [dt.Replicate()])),
+    ("X * row", ((2049, 9), [dt.Shard(0)]), ((1, 9), [dt.Shard(1)]), lambda a, b: a * b,
+     np.multiply, ("b", [dt.Replicate()])),
+]
+
+
+@pytest.mark.parametrize("case", LOPSIDED, ids=[c[0] for c in LOPSIDED])
+def test_suggested_fix_reduces_the_small_operand(case: Any, mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """With lopsided operand sizes the suggestion moves the small operand, its cost (from the
+    compiled plan's global sizes) is below every other legal single-operand fix, the fix works,
+    and CommCounter confirms it moves fewer bytes than gathering the big operand."""
+    from dtorch_mpi.ops.cost import redistribute_cost
+
+    what, (sa, pa), (sb, pb), call, ref, (who, fix) = case
+    A, B = positive(sa, 1), positive(sb, 2)
+    a, b = dist(A, mesh1d, pa), dist(B, mesh1d, pb)
+    with pytest.raises(dt.PlacementError) as err:
+        call(a, b)
+    msg = str(err.value)
+    fixes = _suggested_fixes(msg)
+    assert fixes == [(who, fix)], f"{what}: suggested {fixes}\n{msg}"
+    chosen = redistribute_cost((a if who == "a" else b).spec, tuple(fix))
+    assert f"moves {chosen.moved} bytes per rank, leaves a {chosen.resident}-byte piece" in msg
+    other = a if who == "b" else b  # the big operand: its cheapest legal change costs more
+    alternatives = [redistribute_cost(other.spec, (p,)) for p in (dt.Replicate(), dt.Partial("sum"))]
+    assert all(alt.total > chosen.total for alt in alternatives), (chosen, alternatives)
+    with dt.CommCounter() as fixed:
+        moved = (a if who == "a" else b).redistribute(placements=fix)
+    got = call(a, moved) if who == "b" else call(moved, b)
+    check.equal(got.to_torch(), ref(A, B), f"{what} after the fix", exact=False)
+    with dt.CommCounter() as gathered:
+        other.redistribute(placements=[dt.Replicate()])
+    check.true(fixed.bytes_recv < gathered.bytes_recv or SIZE == 1,
+               f"{what}: the fix received {fixed.bytes_recv} bytes, gathering {gathered.bytes_recv}")
+    check.done()
+
+
+def test_placement_error_shows_the_inputs_aligned_to_the_output_dims(mesh1d: dt.DeviceMesh) -> None:
+    a = dt.ones(11, 7, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    b = dt.ones(7, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    with pytest.raises(dt.PlacementError) as err:
+        a + b
+    msg = str(err.value)
+    assert "no rule accepts the input placements (Shard(dim=0), Shard(dim=0))" in msg
+    assert "Aligned to the output's dims, as the rules name them" in msg
+    assert "the inputs are (Shard(0), Shard(1))" in msg
+    with pytest.raises(dt.PlacementError, match=r"the inputs are \(Shard\(r\)\)"):
+        dt.ones(5, 3, device_mesh=mesh1d, placements=[dt.Shard(0)]).prod(0)
+    with pytest.raises(dt.PlacementError, match=r"the inputs are \(Shard\(-1\), Shard\(-1\)\)"):
+        dt.ones(5, 3, device_mesh=mesh1d, placements=[dt.Shard(1)]) @ dt.ones(
+            3, 4, device_mesh=mesh1d, placements=[dt.Shard(1)])
