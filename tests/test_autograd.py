@@ -206,9 +206,10 @@ def test_matmul_backward_every_rule(mesh1d: dt.DeviceMesh, rule_hits: set, check
 
 
 @op_tests_only_on_auto
-@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod", "std", "var"])
 def test_reduction_backward_every_rule(op: str, mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
-    ref = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
+    ref = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod, "std": np.std,
+           "var": np.var}[op]
     plcs = [[dt.Shard(0)], [dt.Shard(1)], [dt.Shard(2)], [R]] + [[dt.Partial(p)] for p in ("sum", "avg", "max", "min")]
     for n in (1, SIZE + 1):
         full = values((n, 3, 2), n)
@@ -428,3 +429,13 @@ def test_requires_grad_keyword_on_every_constructor(mesh1d: dt.DeviceMesh) -> No
     loss = (made[0] * made[0]).sum() + (made[1] * made[1]).sum()
     loss.backward()
     np.testing.assert_allclose(made[1].grad.to_torch(), 2 * np.ones((SIZE + 1, 2)))
+
+
+@op_tests_only_on_auto
+def test_std_var_with_ddof_backward(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    full = values((SIZE + 2, 4), 21)
+    for plc in ([dt.Shard(0)], [R]):
+        for op in ("std", "var"):
+            grad_check(lambda x, op=op: getattr(x, op)(1, correction=1), lambda a, op=op: getattr(np, op)(a, 1, ddof=1),
+                       [full], [plc], mesh1d, check, f"{op} ddof=1 {plc}")
+    check.done()

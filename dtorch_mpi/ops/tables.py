@@ -7,6 +7,7 @@ in output coordinates); ``Shard(r)``: sharded on a dim the op reduces away; ``Sh
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 
 from .signature import P, Pat, R, Rule, S, Signature
@@ -101,6 +102,12 @@ REDUCE_DOC = ("Shard(r) on a reduced dim: each rank reduces its piece and the re
               "mean divides the local sum by the global count (exact on uneven pieces)")
 
 
+SPREAD_DOC = ("the reduced dims must not be sharded (a variance is no single Partial term); over a "
+              "sharded dim d, with one small explicit all-reduce of the means: m = x.mean(d, keepdim=True)"
+              ".redistribute(placements=[Replicate()]); ((x - m) ** 2).mean(d) (sqrt of it for std), "
+              "a Partial(\"sum\") result. ddof=0 (NumPy's default; torch's correction=1 is ddof=1)")
+
+
 def _reduction(name: str, partial_out: str | None, keeps: tuple[str, ...]) -> Signature:
     rules = [Rule((S("d"),), S("d")), Rule((R,), R)]
     if partial_out:
@@ -130,6 +137,14 @@ OTHER: dict[str, Signature] = {
     "max": _reduction("max", "max", ("max",)),
     "min": _reduction("min", "min", ("min",)),
     "prod": _reduction("prod", None, ()),
+    "all": replace(_reduction("all", "min", ()), doc=(
+        'Shard(r) on a reduced dim: each rank reduces its piece and the result is Partial("min") '
+        "(booleans: min is and; an empty piece gives True, the identity)")),
+    "any": replace(_reduction("any", "max", ()), doc=(
+        'Shard(r) on a reduced dim: each rank reduces its piece and the result is Partial("max") '
+        "(booleans: max is or; an empty piece gives False, the identity)")),
+    "std": replace(_reduction("std", None, ()), doc=SPREAD_DOC),
+    "var": replace(_reduction("var", None, ()), doc=SPREAD_DOC),
     "argmax": _reduction("argmax", None, ()),
     "argmin": _reduction("argmin", None, ()),
     "softmax": Signature("softmax", (Rule((S("d"),), S("d")), Rule((R,), R)),
