@@ -439,3 +439,25 @@ def test_std_var_with_ddof_backward(mesh1d: dt.DeviceMesh, check: Checker) -> No
             grad_check(lambda x, op=op: getattr(x, op)(1, correction=1), lambda a, op=op: getattr(np, op)(a, 1, ddof=1),
                        [full], [plc], mesh1d, check, f"{op} ddof=1 {plc}")
     check.done()
+
+
+@op_tests_only_on_auto
+def test_reshape_split_and_merge_of_a_sharded_dim_backward(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """reshape's backward (g reshaped to the input's local shape) stays right when a sharded dim
+    is split into heads or merged back: the pieces map, so the gradient's pieces do too."""
+    ran = 0
+    for heads, hd in [(SIZE, 3), (2 * SIZE, 2), (4, 3), (SIZE + 1, 2)]:
+        full = values((2, SIZE + 1, heads * hd), heads)
+        split = (2, SIZE + 1, heads, hd)
+        for shape, new, plc in [(full.shape, split, [dt.Shard(2)]), (split, full.shape, [dt.Shard(2)]),
+                                (full.shape, split, [dt.Shard(0)])]:
+            a = full.reshape(shape)
+            try:
+                dist(a, mesh1d, plc).reshape(*new)
+            except dt.PlacementError:
+                continue  # pieces that do not map: refused (tested in test_ops.py)
+            ran += 1
+            grad_check(lambda x, new=new: x.reshape(*new), lambda v, new=new: v.reshape(new), [a], [plc], mesh1d,
+                       check, f"reshape {shape}{plc} -> {new}")
+    check.true(ran >= 6, f"only {ran} reshapes ran")
+    check.done()

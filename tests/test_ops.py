@@ -579,7 +579,7 @@ def test_placement_error_shows_the_inputs_aligned_to_the_output_dims(mesh1d: dt.
     assert "no rule accepts the input placements (Shard(dim=0), Shard(dim=0))" in msg
     assert "Aligned to the output's dims, as the rules name them" in msg
     assert "the inputs are (Shard(0), Shard(1))" in msg
-    with pytest.raises(dt.PlacementError, match=r"the inputs are \(Shard\(r\)\)"):
+    with pytest.raises(dt.PlacementError, match=r"the inputs are \(Shard\(r\): dim 0 is not in the output"):
         dt.ones(5, 3, device_mesh=mesh1d, placements=[dt.Shard(0)]).prod(0)
     with pytest.raises(dt.PlacementError, match=r"the inputs are \(Shard\(-1\), Shard\(-1\)\)"):
         dt.ones(5, 3, device_mesh=mesh1d, placements=[dt.Shard(1)]) @ dt.ones(
@@ -625,3 +625,68 @@ def test_numpy_and_torch_spellings(mesh1d: dt.DeviceMesh, check: Checker) -> Non
         x.std(0)  # over the sharded dim: refused, the doc names the two-step recipe
     m = x.mean(0, keepdim=True).redistribute(placements=[dt.Replicate()])
     assert np.allclose(((x - m) ** 2).mean(0).to_torch(), A.var(0))  # the recipe works
+
+
+# --- reshape that splits or merges a sharded dim (issue 13 item 11) ----------------------------
+def _heads_map(h: int, d: int, m: int) -> bool:
+    """Independent statement of the rule for one mesh dim: the column pieces of h*d over m
+    ranks are whole heads, as Shard of the head dim would place them."""
+    from dtorch_mpi.split import split_sizes
+
+    return split_sizes(h * d, m) == tuple(s * d for s in split_sizes(h, m))
+
+
+@pytest.mark.parametrize("heads,dim", [(SIZE, 3), (4, 3), (2 * SIZE, 2), (SIZE + 1, 2), (3, SIZE)])
+def test_reshape_splits_and_merges_a_sharded_dim_where_pieces_map(heads: int, dim: int, mesh1d: dt.DeviceMesh,
+                                                                 check: Checker) -> None:
+    B, T = 2, SIZE + 1
+    A = positive((B, T, heads * dim), 4)
+    x = dist(A, mesh1d, [dt.Shard(2)])
+    maps = _heads_map(heads, dim, SIZE)
+    for src, new, full in [(x, (B, T, heads, dim), A.reshape(B, T, heads, dim)),
+                           (dist(A.reshape(B, T, heads, dim), mesh1d, [dt.Shard(2)]), (B, T, heads * dim), A)]:
+        try:
+            with dt.CommCounter() as moved:
+                y = src.reshape(*new)
+        except dt.PlacementError as err:
+            msg = str(err)
+            check.true(not maps, f"{heads}x{dim} at {SIZE} ranks: refused though the pieces map: {msg}")
+            check.true("would have to move" in msg and "Shard the dim that stays whole" in msg, msg)
+            (_, fix), = _suggested_fixes(msg)
+            check.equal(src.redistribute(placements=fix).reshape(*new).to_torch(), full, "after the fix")
+            continue
+        check.true(maps, f"{heads}x{dim} at {SIZE} ranks: accepted though pieces do not map")
+        check.true(moved.count == 0, "reshape communicated")
+        want = dt.Shard(3 if heads == 1 and len(new) == 4 else 2)  # one head: the length-1 dim is skipped
+        check.true(y.placements == (want,), f"{y.placements}")
+        check.equal(y.to_torch(), full, f"reshape {src.shape} -> {new}")
+        check.true(y.to_local().shape == dt.compute_local_shape_and_offset(new, mesh1d, [want])[0],
+                   "the local piece is the split rule's piece of the new shape")
+    check.done()
+
+
+def test_reshape_heads_at_four_and_three_ranks(mesh1d: dt.DeviceMesh) -> None:
+    """The issue's case: (B, T, 12) Shard(2) -> (B, T, 4, 3) is one head per rank at 4 ranks;
+    at 3 ranks the columns 4/4/4 are not whole heads (2/1/1 heads = 6/3/3 columns)."""
+    x = dt.ones(2, 5, 12, device_mesh=mesh1d, placements=[dt.Shard(2)])
+    if SIZE in (1, 2, 4):
+        assert x.reshape(2, 5, 4, 3).placements == (dt.Shard(2),)
+    elif SIZE == 3:
+        with pytest.raises(dt.PlacementError, match=r"holds 4/4/4 of the block's 12 elements, but Shard\(2\) of the "
+                                                    r"new shape gives 6/3/3 \(whole entries of dim 2, 3 elements"):
+            x.reshape(2, 5, 4, 3)
+
+
+def test_reshape_with_nested_shards_on_a_2d_mesh(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+    A = positive((3, 2 * SIZE * 2), 6)
+    for plc in ([dt.Shard(1), dt.Shard(1)], [dt.Shard(0), dt.Shard(1)], [dt.Replicate(), dt.Shard(1)]):
+        x = dist(A, mesh2d, plc)
+        for new in [(3, 2 * SIZE, 2), (3, SIZE, 4), (3, 4 * SIZE, 1)]:
+            try:
+                y = x.reshape(*new)
+            except dt.PlacementError as err:
+                check.true("would have to move" in str(err) or "Accepted rules" in str(err), str(err))
+                continue
+            check.equal(y.to_torch(), A.reshape(new), f"{plc} -> {new}")
+            check.equal(y.reshape(*A.shape).to_torch(), A, f"{plc} -> {new} and back")
+    check.done()

@@ -149,7 +149,7 @@ def _aligned(dmap: DimMap, i: int, p: Placement | None) -> str:
     if out is not None:
         return f"Shard({out})"
     fixed = [d for d in (-1, -2) if dmap.fixed(i, d) == p.dim]
-    return f"Shard({fixed[0]})" if fixed else "Shard(r)"
+    return f"Shard({fixed[0]})" if fixed else f"Shard(r): dim {p.dim} is not in the output as such"
 
 
 def _suggest(

@@ -155,8 +155,12 @@ OTHER: dict[str, Signature] = {
         Rule((P(p),), P(p)) for p in ALL_PARTIALS), LAYOUT_DOC + " (d follows the permutation)"),
     "reshape": Signature("reshape", (Rule((S("d"),), S("d")), Rule((R,), R)) + tuple(
         Rule((P(p),), P(p)) for p in ALL_PARTIALS),
-        "a sharded dim must keep its length and the product of the dims before it "
-        "(e.g. [B, T, H] -> [B, T*H] keeps Shard(0)); also view, flatten, squeeze, unsqueeze"),
+        "a sharded dim keeps its length and the product of the dims before it ([B, T, H] -> "
+        "[B, T*H] keeps Shard(0)), or is the outermost dim of a block of dims that is split or "
+        "merged where every rank's piece is the piece the new dim's Shard gives it, so no data "
+        "moves ([B, T, 12] Shard(2) -> [B, T, 4, 3] Shard(2) at 4 ranks: one whole head each; "
+        "not at 3 ranks, where 4 heads split 2/1/1). The decision uses the global shape and the "
+        "mesh size only; also view, flatten, squeeze, unsqueeze"),
     "getitem": Signature("getitem", (Rule((S("d"),), S("d")), Rule((R,), R)) + tuple(
         Rule((P(p),), P(p)) for p in ALL_PARTIALS),
         "basic indexing (ints, slices, None, ...); sharded dims must be taken whole ([:])"),
