@@ -690,3 +690,22 @@ def test_reshape_with_nested_shards_on_a_2d_mesh(mesh2d: dt.DeviceMesh, check: C
             check.equal(y.to_torch(), A.reshape(new), f"{plc} -> {new}")
             check.equal(y.reshape(*A.shape).to_torch(), A, f"{plc} -> {new} and back")
     check.done()
+
+
+# --- argmax over a sharded dim and slices of a sharded dim (issue 13 item 12) ------------------
+def test_argmax_and_slice_of_a_sharded_dim_name_the_fix(mesh1d: dt.DeviceMesh) -> None:
+    """Both need data movement, which operators never do: refused on every rank with the reason
+    and a redistribute that works."""
+    A = positive((2 * SIZE + 3, 4), 8)
+    x = dist(A, mesh1d, [dt.Shard(0)])
+    for call, want, reason in [(lambda t: t.argmax(0), A.argmax(0), "MPI_MAXLOC"),
+                               (lambda t: dt.argmin(t, dim=0, keepdim=True), A.argmin(0, keepdims=True), "MPI_MAXLOC"),
+                               (lambda t: t[1:3], A[1:3], "balanced layout"),
+                               (lambda t: t[::2, 1:], A[::2, 1:], "balanced layout")]:
+        with pytest.raises(dt.PlacementError) as err:
+            call(x)
+        msg = str(err.value)
+        assert reason in msg and "No data is moved implicitly" in msg, msg
+        (_, fix), = _suggested_fixes(msg)
+        assert np.array_equal(call(x.redistribute(placements=fix)).to_torch(), want), msg
+    assert np.array_equal(x.max(0).redistribute(placements=[dt.Replicate()]).to_torch(), A.max(0))

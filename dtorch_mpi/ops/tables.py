@@ -108,6 +108,12 @@ SPREAD_DOC = ("the reduced dims must not be sharded (a variance is no single Par
               "a Partial(\"sum\") result. ddof=0 (NumPy's default; torch's correction=1 is ddof=1)")
 
 
+ARG_DOC = ("the dim must not be sharded: over a sharded dim each rank's best (value, global index) "
+           "would have to be combined across ranks (MPI_MAXLOC), which is communication, and "
+           "operators never communicate. Make that dim whole first (the suggested redistribute), or "
+           "take the values alone with max/min (a Partial result)")
+
+
 def _reduction(name: str, partial_out: str | None, keeps: tuple[str, ...]) -> Signature:
     rules = [Rule((S("d"),), S("d")), Rule((R,), R)]
     if partial_out:
@@ -145,8 +151,8 @@ OTHER: dict[str, Signature] = {
         "(booleans: max is or; an empty piece gives False, the identity)")),
     "std": replace(_reduction("std", None, ()), doc=SPREAD_DOC),
     "var": replace(_reduction("var", None, ()), doc=SPREAD_DOC),
-    "argmax": _reduction("argmax", None, ()),
-    "argmin": _reduction("argmin", None, ()),
+    "argmax": replace(_reduction("argmax", None, ()), doc=ARG_DOC),
+    "argmin": replace(_reduction("argmin", None, ()), doc=ARG_DOC),
     "softmax": Signature("softmax", (Rule((S("d"),), S("d")), Rule((R,), R)),
                          "the softmax dim must not be sharded; not defined on Partial"),
     "log_softmax": Signature("log_softmax", (Rule((S("d"),), S("d")), Rule((R,), R)),
@@ -163,7 +169,11 @@ OTHER: dict[str, Signature] = {
         "mesh size only; also view, flatten, squeeze, unsqueeze"),
     "getitem": Signature("getitem", (Rule((S("d"),), S("d")), Rule((R,), R)) + tuple(
         Rule((P(p),), P(p)) for p in ALL_PARTIALS),
-        "basic indexing (ints, slices, None, ...); sharded dims must be taken whole ([:])"),
+        "basic indexing (ints, slices, None, ...); sharded dims must be taken whole ([:]): x[a:b] "
+        "of a sharded dim leaves the rows on the ranks that held them, not the split rule's "
+        "balanced layout of the result, so it needs data movement. Slice after making that dim "
+        "whole (the suggested redistribute; .redistribute(placements=[Shard(d)]) of the result "
+        "cuts it back locally), or index an unsharded dim"),
     "cat": Signature("cat", (Rule((S("d"), S("d")), S("d")), Rule((R, R), R)) + tuple(
         Rule((P(p), P(p)), P(p)) for p in ALL_PARTIALS),
         "n inputs with equal placements (shown for two); the joined dim must not be sharded"),
