@@ -20,7 +20,20 @@ from .errors import (
     SPMDDivergenceError,
     StateDictError,
 )
-from .factory import arange, distribute_tensor, empty, full, ones, rand, randn, zeros
+from .factory import (
+    arange,
+    distribute_tensor,
+    empty,
+    empty_like,
+    full,
+    full_like,
+    ones,
+    ones_like,
+    rand,
+    randn,
+    zeros,
+    zeros_like,
+)
 from .mesh import DeviceMesh, init_device_mesh
 from .nn import ColwiseParallel, RowwiseParallel, parallelize_module
 from .ops import catalog as _catalog
@@ -42,7 +55,7 @@ __all__ = [
     "DeviceMesh", "GatherHandle", "MeshMismatchError", "Partial", "Placement", "PlacementError",
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
-    "manual_seed", "ones", "plan_redistribute", "rand", "randn", "set_comm_path", "zeros",
+    "manual_seed", "ones", "plan_redistribute", "zeros_like", "ones_like", "empty_like", "full_like", "rand", "randn", "set_comm_path", "zeros",
     "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "parallelize_module", "signature", "enable_grad", "is_grad_enabled", "no_grad",
 ]
 __all__ += _catalog.__all__

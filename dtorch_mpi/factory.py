@@ -17,7 +17,7 @@ from .dtensor import DTensor, checked_shape, debug_check_mesh, make_spec, mesh_n
 from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
-from .placement import Partial, Placement, normalize_placements
+from .placement import Partial, Placement, Replicate, normalize_placements
 from .redistribute import array_namespace
 from .split import local_shape_and_offset
 from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
@@ -67,8 +67,6 @@ def _factory_args(dtype: Any, device_mesh: DeviceMesh | None, placements: Any) -
     if device_mesh is None:
         raise TypeError("factories need device_mesh=...")
     if placements is None:
-        from .placement import Replicate
-
         placements = (Replicate(),) * device_mesh.ndim
     return check_dtype(DEFAULT_DTYPE if dtype is None else dtype), device_mesh, placements
 
@@ -110,6 +108,43 @@ def empty(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
     """Uninitialised pieces (Partial pieces off coordinate 0 hold the identity, as for all)."""
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
     return _build(_parse_shape(shape), dt, mesh, plc, lambda s, o, xp: xp.empty(s, dtype=dt)).requires_grad_(requires_grad)
+
+
+def _like(name: str, x: Any, dtype: Any, placements: Any) -> tuple[tuple[int, ...], dict[str, Any]]:
+    if not isinstance(x, DTensor):
+        raise TypeError(f"{name}: x must be a DTensor, got {type(x).__name__} (use {name[:-5]}(shape, "
+                        f"device_mesh=..., placements=...) for a new tensor)")
+    return x.shape, {"dtype": x.dtype if dtype is None else dtype, "device_mesh": x.device_mesh,
+                     "placements": x.placements if placements is None else placements}
+
+
+def zeros_like(x: DTensor, *, dtype: Any = None, placements: Sequence[Placement] | None = None,
+               requires_grad: bool = False) -> DTensor:
+    """Zeros with ``x``'s shape, dtype, mesh and placements (each overridable but the mesh)."""
+    shape, kw = _like("zeros_like", x, dtype, placements)
+    return zeros(*shape, **kw, requires_grad=requires_grad)
+
+
+def ones_like(x: DTensor, *, dtype: Any = None, placements: Sequence[Placement] | None = None,
+              requires_grad: bool = False) -> DTensor:
+    """Ones with ``x``'s shape, dtype, mesh and placements (a Partial one: 1 at coordinate 0)."""
+    shape, kw = _like("ones_like", x, dtype, placements)
+    return ones(*shape, **kw, requires_grad=requires_grad)
+
+
+def empty_like(x: DTensor, *, dtype: Any = None, placements: Sequence[Placement] | None = None,
+               requires_grad: bool = False) -> DTensor:
+    """Uninitialised pieces with ``x``'s shape, dtype, mesh and placements."""
+    shape, kw = _like("empty_like", x, dtype, placements)
+    return empty(*shape, **kw, requires_grad=requires_grad)
+
+
+def full_like(x: DTensor, fill_value: Any, *, dtype: Any = None, placements: Sequence[Placement] | None = None,
+              requires_grad: bool = False) -> DTensor:
+    """``fill_value`` with ``x``'s shape, dtype (NumPy's rule: ``x``'s, not the value's), mesh
+    and placements."""
+    shape, kw = _like("full_like", x, dtype, placements)
+    return full(shape, fill_value, **kw, requires_grad=requires_grad)
 
 
 def arange(start: Any, stop: Any = None, step: Any = 1, *, dtype: Any = None,
@@ -175,7 +210,7 @@ _NO_SOURCE = -2  # src_data_rank=None in the record
 def distribute_tensor(
     array: Any,
     device_mesh: DeviceMesh,
-    placements: Sequence[Placement],
+    placements: Sequence[Placement] | None = None,
     *,
     src_data_rank: int | None = 0,
     requires_grad: bool = False,
@@ -190,8 +225,11 @@ def distribute_tensor(
     placements and the array's shape and dtype across the mesh: a difference raises on every
     rank (``SPMDDivergenceError``, ``ShapeMismatchError``). A rank outside the mesh makes an
     empty piece from ``array``'s shape and dtype without communicating. ``requires_grad=True``
-    makes the result a leaf that collects a gradient (see docs/autograd.md).
+    makes the result a leaf that collects a gradient (see docs/autograd.md). ``placements=None``
+    is ``[Replicate()] * device_mesh.ndim``, as in PyTorch.
     """
+    if placements is None:
+        placements = [Replicate()] * device_mesh.ndim
     return _distribute(array, device_mesh, placements, src_data_rank).requires_grad_(requires_grad)
 
 

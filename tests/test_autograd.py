@@ -207,9 +207,10 @@ def test_matmul_backward_every_rule(mesh1d: dt.DeviceMesh, rule_hits: set, check
 
 
 @op_tests_only_on_auto
-@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod", "std", "var"])
 def test_reduction_backward_every_rule(op: str, mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
-    ref = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod}[op]
+    ref = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "prod": np.prod, "std": np.std,
+           "var": np.var}[op]
     plcs = [[dt.Shard(0)], [dt.Shard(1)], [dt.Shard(2)], [R]] + [[dt.Partial(p)] for p in ("sum", "avg", "max", "min")]
     for n in (1, SIZE + 1):
         full = values((n, 3, 2), n)
@@ -452,4 +453,36 @@ def test_backward_with_a_rank_outside_the_mesh(check: Checker) -> None:
         else:
             check.equal(gx, gy @ W.T, "dx", exact=False)
             check.equal(gw, X.T @ gy, "dw", exact=False)
+    check.done()
+
+
+@op_tests_only_on_auto
+def test_std_var_with_ddof_backward(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    full = values((SIZE + 2, 4), 21)
+    for plc in ([dt.Shard(0)], [R]):
+        for op in ("std", "var"):
+            grad_check(lambda x, op=op: getattr(x, op)(1, correction=1), lambda a, op=op: getattr(np, op)(a, 1, ddof=1),
+                       [full], [plc], mesh1d, check, f"{op} ddof=1 {plc}")
+    check.done()
+
+
+@op_tests_only_on_auto
+def test_reshape_split_and_merge_of_a_sharded_dim_backward(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """reshape's backward (g reshaped to the input's local shape) stays right when a sharded dim
+    is split into heads or merged back: the pieces map, so the gradient's pieces do too."""
+    ran = 0
+    for heads, hd in [(SIZE, 3), (2 * SIZE, 2), (4, 3), (SIZE + 1, 2)]:
+        full = values((2, SIZE + 1, heads * hd), heads)
+        split = (2, SIZE + 1, heads, hd)
+        for shape, new, plc in [(full.shape, split, [dt.Shard(2)]), (split, full.shape, [dt.Shard(2)]),
+                                (full.shape, split, [dt.Shard(0)])]:
+            a = full.reshape(shape)
+            try:
+                dist(a, mesh1d, plc).reshape(*new)
+            except dt.PlacementError:
+                continue  # pieces that do not map: refused (tested in test_ops.py)
+            ran += 1
+            grad_check(lambda x, new=new: x.reshape(*new), lambda v, new=new: v.reshape(new), [a], [plc], mesh1d,
+                       check, f"reshape {shape}{plc} -> {new}")
+    check.true(ran >= 6, f"only {ran} reshapes ran")
     check.done()

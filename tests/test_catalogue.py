@@ -153,7 +153,7 @@ CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = 
     ("numpy operand", lambda m: _ones(m, 4) + np.ones(4), TypeError, "make it one explicitly"),
     ("shapes do not broadcast", lambda m: _ones(m, 3) + _ones(m, 4), dt.ShapeMismatchError, "do not broadcast"),
     ("matmul inner dims", lambda m: _ones(m, 3, 4) @ _ones(m, 3, 4), dt.ShapeMismatchError, "inner dims differ"),
-    ("reshape not expressible", lambda m: _ones(m, 2 * SIZE + 1, 2).reshape(2, 2 * SIZE + 1), dt.PlacementError, "keep its length"),
+    ("reshape not expressible", lambda m: _ones(m, 3, 2 * SIZE + 1, plc=[dt.Shard(1)]).reshape(3 * (2 * SIZE + 1)), dt.PlacementError, "not the outermost of them"),
     ("reshape wrong size", lambda m: _ones(m, 4, 3).reshape(5, 5), dt.ShapeMismatchError, "do not fit"),
     ("advanced indexing", lambda m: _ones(m, 4)[np.array([0, 1])], TypeError, "advanced indexing"),
     ("cast of a partial to int", lambda m: _ones(m, 3, plc=[dt.Partial()]).astype(np.int32), dt.PlacementError, "redistribute first"),

@@ -195,6 +195,25 @@ def _extreme(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) 
     return (_expand(g, p) * mask / count,)
 
 
+def _spread(std: bool) -> Backward:
+    """var: 2 g (x - mean) / (n - ddof); std: g (x - mean) / ((n - ddof) y), 0 where y = 0
+    (constant terms: the subgradient; torch gives NaN there). The reduced dims
+    are unsharded (the forward's rules), so the piece holds all n terms of each output."""
+
+    def kernel(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any]:
+        x = xs[0]
+        centred = x - xp.mean(x, axis=p["dim"], keepdims=True)
+        n = math.prod(x.shape[d] for d in p["dim"]) - p.get("ddof", 0)
+        grad = _expand(g, p) * centred / n
+        if not std:
+            return (2 * grad,)
+        y = _expand(out, p)
+        return (grad / xp.where(y == 0, 1, y),)  # y = 0: every term equals the mean, gradient 0
+
+    formula = "g (x - mean) / ((n - ddof) y)" if std else "2 g (x - mean) / (n - ddof)"
+    return Backward(kernel, True, std, formula)
+
+
 REDUCTIONS: dict[str, Backward] = {
     "sum": Backward(lambda g, xs, out, p, xp: (xp.broadcast_to(_expand(g, p), p["in_shapes"][0]),),
                     False, False, "g broadcast over the reduced dims"),
@@ -205,6 +224,8 @@ REDUCTIONS: dict[str, Backward] = {
     "min": Backward(_extreme, True, True, "g shared by the minima (split on ties)"),
     "prod": Backward(lambda g, xs, out, p, xp: (_expand(g, p) * _expand(out, p) / xs[0],), True, True,
                      "g y / x"),
+    "std": _spread(True),
+    "var": _spread(False),
 }
 
 SOFTMAX = Backward(lambda g, xs, out, p, xp: (

@@ -226,16 +226,18 @@ def apply_matmul(op: Op, a: DTensor, b: DTensor) -> DTensor:
     return finish(op, plan, (a, b), inputs, plan.kernel(*inputs), NO_PARAMS)
 
 
-def apply_reduce(op: Op, x: DTensor, dim: int | Sequence[int] | None, keepdim: bool) -> DTensor:
-    """sum / mean / max / min / prod over ``dim`` (all dims when None)."""
+def apply_reduce(op: Op, x: DTensor, dim: int | Sequence[int] | None, keepdim: bool,
+                 **extra: Any) -> DTensor:
+    """sum / mean / max / min / prod / all / any / std / var over ``dim`` (all dims when None);
+    ``extra`` (e.g. std's ``ddof``) goes to the kernel and the backward."""
     spec = tensor_spec(x, op.name)
     axes = axes_of(dim, len(spec.shape), op.name)
     keepdim = bool(keepdim)
     plan = plan_for(op, (spec,), (axes, keepdim))
     local = x.to_local()
     count = prod(spec.shape[d] for d in axes)
-    out = plan.kernel(local, axes, keepdim, count, plan.reduced_sharded)
-    return finish(op, plan, (x,), (local,), out, {"dim": axes, "keepdim": keepdim})
+    out = plan.kernel(local, axes, keepdim, count, plan.reduced_sharded, **extra)
+    return finish(op, plan, (x,), (local,), out, {"dim": axes, "keepdim": keepdim, **extra})
 
 
 def apply_arg_reduce(op: Op, x: DTensor, dim: int | None, keepdim: bool) -> DTensor:
@@ -299,31 +301,51 @@ def apply_join(op: Op, tensors: Sequence[DTensor], dim: int, new_dim: bool) -> D
     return finish(op, plan, tuple(tensors), inputs, plan.kernel(*inputs, dim=axis), {"dim": axis})
 
 
+def spelling(op: str, torch_name: str, torch_value: Any, numpy_name: str, numpy_value: Any,
+             default: Any) -> Any:
+    """One parameter spelled the torch way or the NumPy way (``dim``/``axis``,
+    ``keepdim``/``keepdims``): either is accepted, both at once is a TypeError."""
+    if torch_value is not None and numpy_value is not None:
+        raise TypeError(f"{op}() got both {torch_name}= and {numpy_name}= (the same parameter spelled "
+                        f"the torch and the NumPy way); pass one")
+    if torch_value is not None:
+        return torch_value
+    return default if numpy_value is None else numpy_value
+
+
 class ReduceFn(Protocol):
-    def __call__(self, x: DTensor, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> DTensor: ...
+    def __call__(self, x: DTensor, dim: int | Sequence[int] | None = None, keepdim: bool | None = None, *,
+                 axis: int | Sequence[int] | None = None, keepdims: bool | None = None) -> DTensor: ...
 
 
 class ArgReduceFn(Protocol):
-    def __call__(self, x: DTensor, dim: int | None = None, keepdim: bool = False) -> DTensor: ...
+    def __call__(self, x: DTensor, dim: int | None = None, keepdim: bool | None = None, *,
+                 axis: int | None = None, keepdims: bool | None = None) -> DTensor: ...
 
 
 def reduction(op: Op) -> ReduceFn:
-    """Declare reduction ``op``: ``dtorch.<name>(x, dim=None, keepdim=False)`` and the method."""
+    """Declare reduction ``op``: ``dtorch.<name>(x, dim=None, keepdim=False)`` and the method
+    (NumPy's ``axis=``/``keepdims=`` accepted too)."""
 
-    def fn(x: DTensor, dim: int | Sequence[int] | None = None, keepdim: bool = False) -> DTensor:
-        return apply_reduce(op, x, dim, keepdim)
+    def fn(x: DTensor, dim: int | Sequence[int] | None = None, keepdim: bool | None = None, *,
+           axis: int | Sequence[int] | None = None, keepdims: bool | None = None) -> DTensor:
+        return apply_reduce(op, x, spelling(op.name, "dim", dim, "axis", axis, None),
+                            spelling(op.name, "keepdim", keepdim, "keepdims", keepdims, False))
 
     fn.__name__ = fn.__qualname__ = op.name
-    fn.__doc__ = op.doc or (f"{op.name} over ``dim`` (all dims when None). Over a sharded dim the result "
-                            f"is Partial; rules: dtorch_mpi.signature({op.name!r}).")
+    fn.__doc__ = op.doc or (f"{op.name} over ``dim`` (all dims when None; ``axis=`` and ``keepdims=`` "
+                            f"are NumPy's spellings). Over a sharded dim the result is Partial; rules: "
+                            f"dtorch_mpi.signature({op.name!r}).")
     return op.define(op.name)(fn)
 
 
 def arg_reduction(op: Op) -> ArgReduceFn:
     """Declare ``argmax``/``argmin``: along an unsharded ``dim`` (flattened when None)."""
 
-    def fn(x: DTensor, dim: int | None = None, keepdim: bool = False) -> DTensor:
-        return apply_arg_reduce(op, x, dim, keepdim)
+    def fn(x: DTensor, dim: int | None = None, keepdim: bool | None = None, *, axis: int | None = None,
+           keepdims: bool | None = None) -> DTensor:
+        return apply_arg_reduce(op, x, spelling(op.name, "dim", dim, "axis", axis, None),
+                                spelling(op.name, "keepdim", keepdim, "keepdims", keepdims, False))
 
     fn.__name__ = fn.__qualname__ = op.name
     fn.__doc__ = op.doc or (f"{op.name} along an unsharded ``dim`` (the flattened tensor when None); "

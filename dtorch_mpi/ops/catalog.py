@@ -9,6 +9,7 @@ in kernels.py; rules, docs, methods and tests follow from the declaration.
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -28,10 +29,12 @@ from .apply import (
     apply_join,
     apply_matmul,
     apply_permute,
+    apply_reduce,
     apply_reshape,
     arg_reduction,
     binary,
     reduction,
+    spelling,
     tensor_spec,
     unary,
 )
@@ -46,7 +49,7 @@ from .planners import (
     plan_reshape,
     plan_stack,
 )
-from .registry import Op
+from .registry import METHODS, Op
 from .signature import P, R, Rule, S, Signature
 from .tables import BINARY, OTHER, UNARY, WHERE
 
@@ -122,13 +125,22 @@ def gelu(x: DTensor, approximate: str = "none") -> DTensor:
     return apply_elementwise(GELU, (x,), {"approximate": approximate})
 
 
-CLIP = _local("clip", K.clip, lambda x, lo=None, hi=None: np.clip(x, lo, hi), params=("lo", "hi"), examples=({"lo": 2, "hi": 5},))
+CLIP = _local("clip", K.clip, lambda x, lo=None, hi=None: np.clip(x, lo, hi), params=("lo", "hi"),
+              examples=({"lo": 2, "hi": 5}, {"lo": 3}, {"hi": 4}))
 
 
 @CLIP.define("clip")
-def clip(x: DTensor, lo: Any = None, hi: Any = None) -> DTensor:
-    """Clip to scalar bounds (monotone: keeps Partial max/min)."""
-    return apply_elementwise(CLIP, (x,), {"lo": lo, "hi": hi})
+def clip(x: DTensor, lo: Any = None, hi: Any = None, *, min: Any = None, max: Any = None) -> DTensor:
+    """Clip to scalar bounds (monotone: keeps Partial max/min). NumPy's positional ``(lo, hi)``
+    or torch's ``min=``/``max=``; ``clamp`` is the same op."""
+    bounds = {"lo": spelling("clip", "lo", lo, "min", min, None), "hi": spelling("clip", "hi", hi, "max", max, None)}
+    return apply_elementwise(CLIP, (x,), bounds)
+
+
+@CLIP.define("clamp")
+def clamp(x: DTensor, min: Any = None, max: Any = None) -> DTensor:
+    """torch's name for ``clip``: ``x.clamp(min=0, max=1)``."""
+    return apply_elementwise(CLIP, (x,), {"lo": min, "hi": max})
 
 
 # --- elementwise binary --------------------------------------------------------------------
@@ -196,7 +208,7 @@ def astype(x: DTensor, dtype: Any) -> DTensor:
 
     spec = tensor_spec(x, "astype")
     dt = check_dtype(dtype)
-    if dt.kind not in "fc" and any(isinstance(p, Partial) for p in spec.placements):
+    if dt.kind not in "fc" and builtins.any(isinstance(p, Partial) for p in spec.placements):
         raise PlacementError(
             f"astype({dt}): casting a Partial value to a non-floating dtype does not commute with "
             f"its reduction; redistribute first, e.g. x = x.redistribute(placements="
@@ -204,6 +216,11 @@ def astype(x: DTensor, dtype: Any) -> DTensor:
         )
     return apply_elementwise(ASTYPE, (x,), {"dtype": dt})
 
+
+ASTYPE.bind("to", lambda x, dtype: astype(x, dtype))
+ASTYPE.bind("double", lambda x: astype(x, np.float64))
+ASTYPE.bind("float", lambda x: astype(x, np.float32))  # a method: Python's float(x) is __float__
+CLONE.bind("copy", clone)
 
 # --- matmul --------------------------------------------------------------------------------
 MATMUL = Op("matmul", OTHER["matmul"], plan_matmul, K.matmul, reference=np.matmul, backward=BACKWARDS["matmul"])
@@ -223,6 +240,35 @@ mean = reduction(Op("mean", OTHER["mean"], plan_reduce, K.reduce_mean, reference
 max = reduction(Op("max", OTHER["max"], plan_reduce, K.reduce_max, reference=np.max, backward=BACKWARDS["max"]))
 min = reduction(Op("min", OTHER["min"], plan_reduce, K.reduce_min, reference=np.min, backward=BACKWARDS["min"]))
 prod = reduction(Op("prod", OTHER["prod"], plan_reduce, K.reduce_prod, reference=np.prod, backward=BACKWARDS["prod"]))
+all = reduction(Op("all", OTHER["all"], plan_reduce, K.reduce_all, reference=np.all, domain=("bool",)))
+any = reduction(Op("any", OTHER["any"], plan_reduce, K.reduce_any, reference=np.any, domain=("bool",)))
+STD = Op("std", OTHER["std"], plan_reduce, K.reduce_std, reference=np.std, backward=BACKWARDS["std"])
+VAR = Op("var", OTHER["var"], plan_reduce, K.reduce_var, reference=np.var, backward=BACKWARDS["var"])
+
+
+def _spread(op: Op, x: DTensor, dim: Any, keepdim: Any, ddof: Any, axis: Any, keepdims: Any,
+            correction: Any) -> DTensor:
+    return apply_reduce(op, x, spelling(op.name, "dim", dim, "axis", axis, None),
+                        spelling(op.name, "keepdim", keepdim, "keepdims", keepdims, False),
+                        ddof=int(spelling(op.name, "correction", correction, "ddof", ddof, 0)))
+
+
+@STD.define("std")
+def std(x: DTensor, dim: int | Sequence[int] | None = None, keepdim: bool | None = None, *, ddof: int | None = None,
+        axis: int | Sequence[int] | None = None, keepdims: bool | None = None, correction: int | None = None) -> DTensor:
+    """Standard deviation over unsharded ``dim`` (NumPy's ``ddof=0`` default; torch's
+    ``correction=`` is the same parameter). Over a sharded dim: see ``signature("std")``."""
+    return _spread(STD, x, dim, keepdim, ddof, axis, keepdims, correction)
+
+
+@VAR.define("var")
+def var(x: DTensor, dim: int | Sequence[int] | None = None, keepdim: bool | None = None, *, ddof: int | None = None,
+        axis: int | Sequence[int] | None = None, keepdims: bool | None = None, correction: int | None = None) -> DTensor:
+    """Variance over unsharded ``dim`` (NumPy's ``ddof=0`` default; torch's ``correction=`` is
+    the same parameter). Over a sharded dim: see ``signature("var")``."""
+    return _spread(VAR, x, dim, keepdim, ddof, axis, keepdims, correction)
+
+
 argmax = arg_reduction(Op("argmax", OTHER["argmax"], plan_reduce, K.arg_reduce("argmax"), reference=np.argmax))
 argmin = arg_reduction(Op("argmin", OTHER["argmin"], plan_reduce, K.arg_reduce("argmin"), reference=np.argmin))
 
@@ -352,14 +398,18 @@ def stack(tensors: Sequence[DTensor], dim: int = 0) -> DTensor:
     return apply_join(STACK, tensors, dim, True)
 
 
+# --- metadata methods (no operator: nothing is computed) -------------------------------------
+METHODS["numel"] = lambda x: math.prod(x.shape)  # torch's; NumPy's x.size is the same number
+METHODS["dim"] = lambda x: len(x.shape)  # torch's; NumPy's x.ndim
+
 __all__ = [  # every public operator name; tests/test_ops.py checks it against OPS
-    "abs", "add", "arccos", "arcsin", "arcsinh", "arctan", "arctan2", "argmax", "argmin", "astype",
-    "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "cat", "cbrt", "ceil", "clip", "clone",
+    "abs", "add", "all", "any", "arccos", "arcsin", "arcsinh", "arctan", "arctan2", "argmax", "argmin", "astype",
+    "bitwise_and", "bitwise_not", "bitwise_or", "bitwise_xor", "cat", "cbrt", "ceil", "clamp", "clip", "clone",
     "cos", "cosh", "cumsum", "divide", "eq", "exp", "expm1", "flatten", "floor", "floor_divide", "floordiv", "ge",
     "gelu", "gt", "hypot", "isfinite", "isinf", "isnan", "le", "log", "log10", "log1p", "log2",
     "log_softmax", "logical_and", "logical_not", "logical_or", "logical_xor", "lt", "matmul", "max",
     "maximum", "mean", "min", "minimum", "mod", "mul", "multiply", "ne", "neg", "negative", "permute",
     "pow", "power", "prod", "reciprocal", "relu", "remainder", "reshape", "rint", "sigmoid", "sign",
-    "silu", "sin", "sinh", "softmax", "softplus", "sqrt", "square", "squeeze", "stack", "sub",
-    "subtract", "sum", "swapaxes", "tan", "tanh", "transpose", "truediv", "trunc", "unsqueeze", "where",
+    "silu", "sin", "sinh", "softmax", "softplus", "sqrt", "square", "squeeze", "stack", "std", "sub",
+    "subtract", "sum", "swapaxes", "tan", "tanh", "transpose", "truediv", "trunc", "unsqueeze", "var", "where",
 ]

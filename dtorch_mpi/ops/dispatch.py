@@ -17,6 +17,7 @@ from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
 from ..redistribute import CompiledPlan, compile_plan
 from ..spec import DTensorSpec
+from .cost import redistribute_cost
 from .signature import DimMap, Rule, Signature, match_mesh_dim
 
 INFERENCE_CACHE_SIZE = 4096
@@ -119,32 +120,44 @@ def placement_error(
 ) -> PlacementError:
     per_dim = [s.placements[mesh_dim] if s is not None else None for s in specs]
     shown = ", ".join("scalar" if p is None else repr(p) for p in per_dim)
+    aligned = ", ".join(_aligned(dmap, i, s) for i, s in enumerate(per_dim))
     fix = _suggest(sig, specs, dmap, names, mesh_dim)
     inputs = "; ".join(
         f"{n}: {list(s.placements)} shape {s.shape}" for n, s in zip(names, specs) if s is not None
     )
     return PlacementError(
         f"{sig.op}: no rule accepts the input placements ({shown}) on mesh dim {mesh_dim} "
-        f"[{inputs}].\nAccepted rules (each mesh dim is matched on its own):\n"
+        f"[{inputs}].\nAligned to the output's dims, as the rules name them (each Shard above "
+        f"names the input's own dim), the inputs are ({aligned}).\n"
+        f"Accepted rules (each mesh dim is matched on its own):\n"
         + "\n".join(f"  {r!r}" for r in sig.rules)
         + (f"\n  note: {sig.doc}" if sig.doc else "")
         + f"\nNo data is moved implicitly. Make the call legal explicitly, e.g.:\n  {fix}"
     )
 
 
-def _cost(src: Placement, dst: Placement) -> int:
-    """Rough cost of changing one mesh dim: slices are free, gathers and all-reduces dearest."""
-    if isinstance(src, Replicate):
-        return 0
-    if isinstance(dst, Replicate):
-        return 3
-    return 1 if isinstance(dst, Shard) else 2
+def _aligned(dmap: DimMap, i: int, p: Placement | None) -> str:
+    """Input ``i``'s placement in the rules' terms: a Shard's dim as the output's dim (``d``),
+    a fixed negative dim (matmul's ``Shard(-1)``) or ``r`` (a dim the op removes)."""
+    if p is None:
+        return "scalar"
+    if not isinstance(p, Shard):
+        return repr(p)
+    if dmap.stretched(i, p.dim):
+        return f"Shard(dim={p.dim}) stretched from size 1"
+    out = dmap.to_out(i, p.dim)
+    if out is not None:
+        return f"Shard({out})"
+    fixed = [d for d in (-1, -2) if dmap.fixed(i, d) == p.dim]
+    return f"Shard({fixed[0]})" if fixed else f"Shard(r): dim {p.dim} is not in the output as such"
 
 
 def _suggest(
     sig: Signature, specs: Sequence[DTensorSpec | None], dmap: DimMap, names: Sequence[str], k: int
 ) -> str:
-    """The cheapest single-operand redistribute that makes mesh dim ``k`` match a rule."""
+    """The cheapest single-operand redistribute that makes mesh dim ``k`` match a rule: each
+    candidate costed by the bytes its plan moves plus the piece it leaves on every rank
+    (ops/cost.py; metadata only, the same verdict on every rank)."""
     per_dim = [s.placements[k] if s is not None else None for s in specs]
     options: list[tuple[int, int, str]] = []
     for i, spec in enumerate(specs):
@@ -159,9 +172,12 @@ def _suggest(
             seen.add(cand)
             trial = list(per_dim)
             trial[i] = cand
-            current = spec.placements[k]
             if match_mesh_dim(sig, trial, dmap) is not None:
-                options.append((_cost(current, cand), len(options), _redistribute_text(names[i], spec, k, cand)))
+                target = spec.placements[:k] + (cand,) + spec.placements[k + 1 :]
+                cost = redistribute_cost(spec, target)
+                text = (f"{_redistribute_text(names[i], spec, k, cand)}   # moves {cost.moved} bytes "
+                        f"per rank, leaves a {cost.resident}-byte piece on each")
+                options.append((cost.total, len(options), text))
     if options:
         return min(options)[2]
     fixes = [

@@ -86,6 +86,27 @@ def reduce_prod(xp: Any, x: Any, axes: tuple[int, ...], keepdim: bool, count: in
     return xp.asarray(xp.prod(x, axis=axes, keepdims=keepdim))
 
 
+def reduce_all(xp: Any, x: Any, axes: tuple[int, ...], keepdim: bool, count: int, partial: bool) -> Any:
+    """An empty piece gives True, the identity of Partial("min") on booleans (min is and)."""
+    return xp.asarray(xp.all(x, axis=axes, keepdims=keepdim))
+
+
+def reduce_any(xp: Any, x: Any, axes: tuple[int, ...], keepdim: bool, count: int, partial: bool) -> Any:
+    """An empty piece gives False, the identity of Partial("max") on booleans (max is or)."""
+    return xp.asarray(xp.any(x, axis=axes, keepdims=keepdim))
+
+
+def reduce_var(xp: Any, x: Any, axes: tuple[int, ...], keepdim: bool, count: int, partial: bool,
+               ddof: int = 0) -> Any:
+    """Over unsharded dims only (the rules refuse a sharded one): the piece holds every term."""
+    return xp.asarray(xp.var(x, axis=axes, keepdims=keepdim, ddof=ddof))
+
+
+def reduce_std(xp: Any, x: Any, axes: tuple[int, ...], keepdim: bool, count: int, partial: bool,
+               ddof: int = 0) -> Any:
+    return xp.asarray(xp.std(x, axis=axes, keepdims=keepdim, ddof=ddof))
+
+
 def reduce_mean(xp: Any, x: Any, axes: tuple[int, ...], keepdim: bool, count: int, partial: bool) -> Any:
     """The local sum over the GLOBAL count: exact on uneven pieces once the terms are summed."""
     acc = np.dtype(np.float64) if x.dtype.kind in "biu" else x.dtype

@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShapeMismatchError
+from ..errors import PlacementError, ShapeMismatchError
+from ..placement import Shard
 from ..spec import DTensorSpec
 from .dimmaps import BroadcastMap, IndexMap, JoinMap, MatmulMap, PermuteMap, RemoveDimsMap, ReshapeMap
 from .dispatch import OpPlan, infer
@@ -113,10 +114,24 @@ def plan_permute(op: Op, specs: Specs, params: tuple[Any, ...]) -> OpPlan:
 
 
 def plan_reshape(op: Op, specs: Specs, params: tuple[Any, ...]) -> OpPlan:
-    """Params ``(shape,)`` (already resolved: no -1)."""
+    """Params ``(shape,)`` (already resolved: no -1). A sharded dim may be split or merged
+    where every rank's piece maps onto the new layout (``ReshapeMap``); where it does not,
+    the error says why and names the fix."""
     spec = _one(specs)
     (shape,) = params
-    plan = infer(op.signature, specs, ReshapeMap(spec.shape, shape), shape, ("x",))
+    dmap = ReshapeMap(spec.shape, shape, tuple(spec.mesh.shape), spec.placements)
+    try:
+        plan = infer(op.signature, specs, dmap, shape, ("x",))
+    except PlacementError as err:
+        reasons = [why for p in spec.placements if isinstance(p, Shard) and (why := dmap.why_not(p.dim))]
+        if not reasons:
+            raise
+        raise PlacementError(
+            f"reshape {spec.shape} -> {shape}: " + "; ".join(dict.fromkeys(reasons)) + ". Shard the "
+            f"dim that stays whole instead (e.g. the head dim of [B, T, heads, head_dim], with a "
+            f"rank count that divides the heads), or redistribute as below, reshape, and cut the "
+            f"result back with .redistribute(placements=[Shard(...)]) (a local slice).\n{err}"
+        ) from None
     local = DTensorSpec(plan.mesh, plan.placements, plan.shape, np.dtype("f4")).local_shape
     return OpPlan(plan.mesh, plan.placements, plan.shape, plan.prepare, plan.reduced_sharded, plan.xp,
                   plan.rules, aux=local)

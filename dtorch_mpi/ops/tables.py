@@ -7,6 +7,7 @@ in output coordinates); ``Shard(r)``: sharded on a dim the op reduces away; ``Sh
 
 from __future__ import annotations
 
+from dataclasses import replace
 from itertools import product
 
 from .signature import P, Pat, R, Rule, S, Signature
@@ -101,6 +102,18 @@ REDUCE_DOC = ("Shard(r) on a reduced dim: each rank reduces its piece and the re
               "mean divides the local sum by the global count (exact on uneven pieces)")
 
 
+SPREAD_DOC = ("the reduced dims must not be sharded (a variance is no single Partial term); over a "
+              "sharded dim d, with one small explicit all-reduce of the means: m = x.mean(d, keepdim=True)"
+              ".redistribute(placements=[Replicate()]); ((x - m) ** 2).mean(d) (sqrt of it for std), "
+              "a Partial(\"sum\") result. ddof=0 (NumPy's default; torch's correction=1 is ddof=1)")
+
+
+ARG_DOC = ("the dim must not be sharded: over a sharded dim each rank's best (value, global index) "
+           "would have to be combined across ranks (MPI_MAXLOC), which is communication, and "
+           "operators never communicate. Make that dim whole first (the suggested redistribute), or "
+           "take the values alone with max/min (a Partial result)")
+
+
 def _reduction(name: str, partial_out: str | None, keeps: tuple[str, ...]) -> Signature:
     rules = [Rule((S("d"),), S("d")), Rule((R,), R)]
     if partial_out:
@@ -130,8 +143,16 @@ OTHER: dict[str, Signature] = {
     "max": _reduction("max", "max", ("max",)),
     "min": _reduction("min", "min", ("min",)),
     "prod": _reduction("prod", None, ()),
-    "argmax": _reduction("argmax", None, ()),
-    "argmin": _reduction("argmin", None, ()),
+    "all": replace(_reduction("all", "min", ()), doc=(
+        'Shard(r) on a reduced dim: each rank reduces its piece and the result is Partial("min") '
+        "(booleans: min is and; an empty piece gives True, the identity)")),
+    "any": replace(_reduction("any", "max", ()), doc=(
+        'Shard(r) on a reduced dim: each rank reduces its piece and the result is Partial("max") '
+        "(booleans: max is or; an empty piece gives False, the identity)")),
+    "std": replace(_reduction("std", None, ()), doc=SPREAD_DOC),
+    "var": replace(_reduction("var", None, ()), doc=SPREAD_DOC),
+    "argmax": replace(_reduction("argmax", None, ()), doc=ARG_DOC),
+    "argmin": replace(_reduction("argmin", None, ()), doc=ARG_DOC),
     "softmax": Signature("softmax", (Rule((S("d"),), S("d")), Rule((R,), R)),
                          "the softmax dim must not be sharded; not defined on Partial"),
     "log_softmax": Signature("log_softmax", (Rule((S("d"),), S("d")), Rule((R,), R)),
@@ -140,11 +161,19 @@ OTHER: dict[str, Signature] = {
         Rule((P(p),), P(p)) for p in ALL_PARTIALS), LAYOUT_DOC + " (d follows the permutation)"),
     "reshape": Signature("reshape", (Rule((S("d"),), S("d")), Rule((R,), R)) + tuple(
         Rule((P(p),), P(p)) for p in ALL_PARTIALS),
-        "a sharded dim must keep its length and the product of the dims before it "
-        "(e.g. [B, T, H] -> [B, T*H] keeps Shard(0)); also view, flatten, squeeze, unsqueeze"),
+        "a sharded dim keeps its length and the product of the dims before it ([B, T, H] -> "
+        "[B, T*H] keeps Shard(0)), or is the outermost dim of a block of dims that is split or "
+        "merged where every rank's piece is the piece the new dim's Shard gives it, so no data "
+        "moves ([B, T, 12] Shard(2) -> [B, T, 4, 3] Shard(2) at 4 ranks: one whole head each; "
+        "not at 3 ranks, where 4 heads split 2/1/1). The decision uses the global shape and the "
+        "mesh size only; also view, flatten, squeeze, unsqueeze"),
     "getitem": Signature("getitem", (Rule((S("d"),), S("d")), Rule((R,), R)) + tuple(
         Rule((P(p),), P(p)) for p in ALL_PARTIALS),
-        "basic indexing (ints, slices, None, ...); sharded dims must be taken whole ([:])"),
+        "basic indexing (ints, slices, None, ...); sharded dims must be taken whole ([:]): x[a:b] "
+        "of a sharded dim leaves the rows on the ranks that held them, not the split rule's "
+        "balanced layout of the result, so it needs data movement. Slice after making that dim "
+        "whole (the suggested redistribute; .redistribute(placements=[Shard(d)]) of the result "
+        "cuts it back locally), or index an unsharded dim"),
     "cat": Signature("cat", (Rule((S("d"), S("d")), S("d")), Rule((R, R), R)) + tuple(
         Rule((P(p), P(p)), P(p)) for p in ALL_PARTIALS),
         "n inputs with equal placements (shown for two); the joined dim must not be sharded"),
