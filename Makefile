@@ -76,9 +76,9 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 $(PHDF5_STAMP): pyproject.toml Makefile
-	@echo "==> [$(PHDF5_VENV)] the parallel-HDF5 stack: a second venv with mpi4py and h5py built from source \
-	  against $(PHDF5_MPICC) (first time only; about 5-15 min; skip it with PHDF5=0)"
-	@if ! ( test -x $(PHDF5_MPICC) && pkg-config --exists $(PHDF5_PKGCONFIG) 2>/dev/null ); then \
+	@echo "==> [$(PHDF5_VENV)] the parallel-HDF5 stack: a second venv, mpi4py and h5py built from source"
+	@echo "    against $(PHDF5_MPICC) and $(PHDF5_PKGCONFIG) (first time only; about 5-15 min; skip it with PHDF5=0)"
+	@if ! ( command -v $(PHDF5_MPICC) >/dev/null && pkg-config --exists $(PHDF5_PKGCONFIG) 2>/dev/null ); then \
 	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
 	    echo "The parallel-HDF5 stack needs an MPI compiler ($(PHDF5_MPICC)) and a parallel HDF5"; \
 	    echo "(pkg-config $(PHDF5_PKGCONFIG)); they are not here, and installing them needs root on Debian/Ubuntu:"; \
