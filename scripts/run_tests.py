@@ -3,6 +3,11 @@
 
 Every run is bounded (``--run-timeout``); a hung run is killed and counted as failed. The
 last line is the total over all runs, ``total: N passed, N failed, N skipped``.
+
+Each stack (the pip venv; optionally the parallel-HDF5 venv) runs with its own launcher, which
+is also handed to its tests as ``MPIEXEC`` (tests that start their own ``mpiexec`` must use the
+launcher of the MPI their Python was built against). pytest runs with ``--color=no``: Open MPI
+gives each rank a pseudo-terminal, and the summary lines parsed here must be plain text.
 """
 
 from __future__ import annotations
@@ -57,12 +62,12 @@ def counts(text: str) -> dict[str, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--mpiexec", default=os.environ.get("MPIEXEC", "mpiexec"))
+    ap.add_argument("--mpiexec", default=os.environ.get("MPIEXEC", "mpiexec"), help="the pip stack's launcher")
     ap.add_argument("--sizes", default="1,2,3,4", help="world sizes; 1 runs without mpiexec")
     ap.add_argument("--paths", default="auto,variable,padded", help="DTORCH_COMM_PATH values")
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
-    ap.add_argument("--phdf5-mpiexec", default="mpiexec")
+    ap.add_argument("--phdf5-mpiexec", default="mpiexec", help="the parallel-HDF5 stack's launcher")
     ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py")
     ap.add_argument("pytest_args", nargs="*", default=[])
     args = ap.parse_args()
@@ -76,9 +81,9 @@ def main() -> int:
     runs = [(stack, py, mpx, path, size, extra) for stack, py, mpx, paths, extra in stacks
             for path in paths for size in (int(s) for s in args.sizes.split(","))]
     for stack, py, mpiexec, path, size, extra in runs:
-        env = dict(os.environ, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1", MPIEXEC=mpiexec)
         env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{stack}-{path}-n{size}")
-        pytest_cmd = [py, "-m", "pytest", "-q", *extra]
+        pytest_cmd = [py, "-m", "pytest", "-q", "--color=no", *extra]
         if size == 1:
             cmd = pytest_cmd
         else:

@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 import pytest
 from mpi4py import MPI
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or os.path.join(
-    os.path.dirname(sys.executable), "mpiexec")
+from mpi_launch import mpiexec
+from mpi_launch import run as launch
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches mpiexec; runs in the 1-process pass")
 
 
-# `python examples/x.py` puts examples/ first on sys.path: name this checkout's package
-ENV = dict(os.environ, MPIEXEC=MPIEXEC, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-
-
-def run(*args: str) -> str:
-    proc = subprocess.run([*MPIEXEC.split(), *args], capture_output=True, text=True, timeout=180, cwd=ROOT, env=ENV)
+def run(n: int, *args: str) -> str:
+    proc = mpiexec(n, *args)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
 
 def test_quickstart() -> None:
-    out = run("-n", "4", sys.executable, "examples/quickstart.py")
+    out = run(4, sys.executable, "examples/quickstart.py")
     assert "local shapes by rank: [(4, 3), (4, 3), (4, 3), (4, 2)]" in out
     assert "PlacementError, suggested fix:" in out and "after the fix: (Partial(\"sum\"),)" in out
     assert "saved and reloaded: True" in out and "randn identical across placements: True" in out
@@ -37,7 +29,7 @@ def test_quickstart() -> None:
 
 
 def test_tensor_parallel_mlp() -> None:
-    out = run("-n", "4", sys.executable, "examples/tensor_parallel_mlp.py")
+    out = run(4, sys.executable, "examples/tensor_parallel_mlp.py")
     assert "equals the NumPy reference: True" in out
     assert "all_reduce  0             1" in out
 
@@ -45,8 +37,7 @@ def test_tensor_parallel_mlp() -> None:
 def test_checkpoint_reshard() -> None:
     directory = tempfile.mkdtemp()
     try:
-        proc = subprocess.run([sys.executable, "examples/checkpoint_reshard.py", directory], capture_output=True,
-                              text=True, timeout=180, cwd=ROOT, env=ENV)
+        proc = launch([sys.executable, "examples/checkpoint_reshard.py", directory], timeout=180)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "saved at 4 ranks" in proc.stdout
         assert "loaded at 2 ranks: weights equal True, forward equals NumPy True" in proc.stdout
@@ -57,7 +48,7 @@ def test_checkpoint_reshard() -> None:
 def test_train_mlp_same_curve_on_every_plan_and_rank_count() -> None:
     curves = {}
     for ranks, plan in (("1", "replicated"), ("3", "dp"), ("3", "tp"), ("4", "dp_tp")):
-        out = run("-n", ranks, sys.executable, "examples/train_mlp.py", "--plan", plan, "--optimizer", "adamw",
+        out = run(int(ranks), sys.executable, "examples/train_mlp.py", "--plan", plan, "--optimizer", "adamw",
                   "--task", "classification", "--steps", "5")
         curves[(ranks, plan)] = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]
         deviation = [line for line in out.splitlines() if line.startswith("max |loss - NumPy reference|")]
@@ -72,7 +63,7 @@ def test_train_transformer_block_whole_heads_same_curve() -> None:
     """4 heads over 3 ranks stay whole (2/1/1); the loss falls and its curve equals the one-rank run."""
     curves = []
     for ranks in ("1", "3"):
-        out = run("-n", ranks, sys.executable, "examples/train_transformer_block.py", "--steps", "10")
+        out = run(int(ranks), sys.executable, "examples/train_transformer_block.py", "--steps", "10")
         assert "loss decreased: True" in out, out
         curves.append([float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")])
     assert "heads per rank: [2, 1, 1]" in out and "optimizer step: 0 (none)" in out, out

@@ -7,21 +7,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_launch import mpiexec
 
 import dtorch_mpi as dt
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))  # the code under test
-MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or os.path.join(
-    os.path.dirname(sys.executable), "mpiexec")
 
 
 @pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
@@ -29,9 +25,8 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint() -> None:
     workdir = tempfile.mkdtemp(prefix="dtorch-kill-")
     path = os.path.join(workdir, "model.h5")
     try:
-        proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable,
-                               os.path.join(HERE, "harness_cases", "kill_during_save.py"), path],
-                              capture_output=True, text=True, timeout=120, env=ENV)
+        proc = mpiexec(2, sys.executable, os.path.join(HERE, "harness_cases", "kill_during_save.py"), path,
+                       timeout=120)
         assert proc.returncode != 0, proc.stdout + proc.stderr
         assert "the kill did not happen" not in proc.stdout
         with open(path, "rb") as now, open(path + ".A", "rb") as before:
@@ -49,10 +44,8 @@ def test_sigkill_during_save_keeps_the_previous_checkpoint() -> None:
 def test_io_error_in_a_collective_write_does_not_hang() -> None:
     workdir = tempfile.mkdtemp(prefix="dtorch-ioerr-")
     try:
-        proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable,
-                               os.path.join(HERE, "harness_cases", "io_error_during_save.py"),
-                               os.path.join(workdir, "model.h5")],
-                              capture_output=True, text=True, timeout=120, env=ENV)
+        proc = mpiexec(2, sys.executable, os.path.join(HERE, "harness_cases", "io_error_during_save.py"),
+                       os.path.join(workdir, "model.h5"), timeout=120)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out
         assert "rank 0 raised CheckpointError" in out and "rank 1 raised CheckpointError" in out, out

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 import time
 
 import pytest
 from mpi4py import MPI
+from mpi_launch import ROOT, child_env, mpiexec
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MPIEXEC = os.environ.get("MPIEXEC") or shutil.which("mpiexec") or os.path.join(
-    os.path.dirname(sys.executable), "mpiexec")
 
 pytestmark = pytest.mark.skipif(
     MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass"
@@ -21,13 +18,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def _launch(case: str, extra: list[str], limit: int, **env_extra: str) -> tuple[int, str, float]:
-    env = dict(os.environ, DTORCH_TEST_ALL_OUTPUT="1", **env_extra)
-    cmd = [*MPIEXEC.split(), "-n", "2", os.path.join(HERE, "rank_wrapper.sh"), sys.executable,
-           "-m", "pytest", "-q", "--with-mpi", "-p", "no:randomly",
-           os.path.join(HERE, "harness_cases", case), *extra]
+    # --color=no: Open MPI gives each rank's stdout a pseudo-terminal even when piped
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit,
-                          cwd=os.path.dirname(HERE))
+    proc = mpiexec(2, os.path.join(HERE, "rank_wrapper.sh"), sys.executable, "-m", "pytest", "-q",
+                   "--color=no", "--with-mpi", "-p", "no:randomly", os.path.join(HERE, "harness_cases", case),
+                   *extra, timeout=limit, env=child_env(DTORCH_TEST_ALL_OUTPUT="1", **env_extra))
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
@@ -56,8 +51,7 @@ def test_spmd_debug_mode_names_a_planted_divergence() -> None:
 
 def _this_checkout(env: dict[str, str]) -> dict[str, str]:
     """A plain script imports dtorch_mpi from this checkout (not an installed copy)."""
-    root = os.path.dirname(HERE)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     return env
 
 
@@ -65,10 +59,9 @@ def test_an_uncaught_exception_on_one_rank_ends_the_job() -> None:
     """Rank 1 raises, rank 0 waits in a collective: the hook prints the rank and the traceback
     and aborts the job. The figure printed is the time from the raise to the job's end."""
     script = os.path.join(HERE, "harness_cases", "abort_on_exception.py")
-    env = _this_checkout(dict(os.environ))
+    env = _this_checkout(child_env())
     env.pop("DTORCH_ABORT_ON_EXCEPTION", None)
-    proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable, script], env=env,
-                          capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
+    proc = mpiexec(2, sys.executable, script, timeout=120, env=env)
     ended = time.time()
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
@@ -86,9 +79,8 @@ def test_abort_on_exception_can_be_turned_off() -> None:
     code = ("import dtorch_mpi as dt, dtorch_mpi.abort as a; m = dt.init_device_mesh('cpu', (2,)); "
             "import sys; sys.stdout.write(f'installed={a.installed()}\\n'); m.free()")
     for value, want in (("0", "installed=False"), ("1", "installed=True")):
-        env = _this_checkout(dict(os.environ, DTORCH_ABORT_ON_EXCEPTION=value))
-        proc = subprocess.run([*MPIEXEC.split(), "-n", "2", sys.executable, "-c", code], env=env,
-                              capture_output=True, text=True, timeout=120, cwd=os.path.dirname(HERE))
+        env = _this_checkout(child_env(DTORCH_ABORT_ON_EXCEPTION=value))
+        proc = mpiexec(2, sys.executable, "-c", code, timeout=120, env=env)
         assert proc.returncode == 0 and proc.stdout.count(want) == 2, proc.stdout + proc.stderr
 
 
