@@ -22,6 +22,7 @@ from .config import GPU_BACKENDS
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
+from .lifetime import CommAttached
 from .mpi_backend import MPIBackend
 from .work import Work, completed, moves_nothing
 
@@ -237,22 +238,25 @@ class NCCLBackend:
     name = "nccl"
 
     def __init__(self) -> None:
-        self._comms: dict[int, Any] = {}
+        # attached to the group's MPI communicator: released when the mesh frees it, never
+        # handed to a new communicator that MPI gives the freed one's handle
+        self._comms: CommAttached[Any] = CommAttached("an NCCL communicator", lambda c: c.destroy())
 
     def _nccl(self, group: Group) -> Any:
+        return self._comms.get(group.comm, lambda: self._create(group))
+
+    @staticmethod
+    def _create(group: Group) -> Any:
+        """A new NCCL communicator over ``group`` (collective: rank 0's unique id is broadcast)."""
         from cupy.cuda import nccl
 
-        key = MPI.Comm.py2f(group.comm)
-        comm = self._comms.get(key)
-        if comm is None:
-            uid = nccl.get_unique_id() if group.rank == 0 else None
-            raw = np.zeros(128, dtype=np.uint8)
-            if group.rank == 0:
-                raw[:] = np.frombuffer(uid_to_bytes(uid), dtype=np.uint8)[:128]
-            group.comm.Bcast(raw, root=0)
-            like = uid if uid is not None else nccl.get_unique_id()
-            comm = self._comms[key] = nccl.NcclCommunicator(group.size, uid_from_bytes(raw.tobytes(), like), group.rank)
-        return comm
+        uid = nccl.get_unique_id() if group.rank == 0 else None
+        raw = np.zeros(128, dtype=np.uint8)
+        if group.rank == 0:
+            raw[:] = np.frombuffer(uid_to_bytes(uid), dtype=np.uint8)[:128]
+        group.comm.Bcast(raw, root=0)
+        like = uid if uid is not None else nccl.get_unique_id()
+        return nccl.NcclCommunicator(group.size, uid_from_bytes(raw.tobytes(), like), group.rank)
 
     @staticmethod
     def _stream() -> int:

@@ -8,6 +8,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from ..comm import Group, Work, backend_for, completed
+from ..mesh import release_on_free
 from ..placement import Partial, Placement, Shard
 from ..split import local_shape_and_offset, split_range, split_sizes
 from .planner import plan_redistribute
@@ -55,8 +56,11 @@ class CompiledPlan:
 @lru_cache(maxsize=4096)
 def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> CompiledPlan:
     """The redistribute from ``spec`` to ``target`` placements, compiled for this rank and
-    cached on (source spec, target placements): metadata only."""
+    cached on (source spec, target placements): metadata only. Specs compare their meshes
+    by object, and ``DeviceMesh.free()`` empties this cache, so a plan (and the communicators
+    it holds) serves only the live mesh it was compiled for."""
     mesh = spec.mesh
+    mesh._check_alive()
     out_spec = spec.with_placements(target)
     coord = mesh.get_coordinate()
     if coord is None:
@@ -95,6 +99,9 @@ def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compiled
     return CompiledPlan(out_spec, tuple(compiled))
 
 
+release_on_free(compile_plan.cache_clear)
+
+
 def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Any, async_op: bool) -> Work:
     kind, args = step.kind, step.args
     if kind == "slice":
@@ -118,6 +125,7 @@ def run_compiled(x: Any, plan: CompiledPlan) -> Any:
     if not plan.steps:
         return x
     mesh = plan.out_spec.mesh
+    mesh._check_alive()  # a plan compiled before the mesh was freed
     xp, backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
     for step in plan.steps:
         x = run_compiled_step(step, x, xp, backend, False).wait()
@@ -129,7 +137,7 @@ class CompiledHandle:
     ``wait()`` finishes and returns the new local piece."""
 
     def __init__(self, x: Any, plan: CompiledPlan) -> None:
-        mesh = plan.out_spec.mesh
+        mesh = self._mesh = plan.out_spec.mesh
         self._xp, self._backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
         self._x = x
         self._steps = iter(plan.steps)
@@ -146,6 +154,7 @@ class CompiledHandle:
             step = next(self._steps, None)
             if step is None:
                 return True
+            self._mesh._check_alive()  # the mesh was freed while this handle was pending
             self._work = run_compiled_step(step, self._x, self._xp, self._backend, True)
 
     def done(self) -> bool:
