@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import abort
-from ._mpi import library_world, node_local_rank
+from ._mpi import library_world, node_facts, node_local_rank
 from .errors import MeshMismatchError
 from .spmd import require_same
 
@@ -86,8 +86,8 @@ class DeviceMesh:
                 color = int(np.ravel_multi_index(rest, rest_shape)) if rest else 0
                 key = self._coordinate[k]
             self._groups.append(world.Split(color, key))  # type: ignore[arg-type]
-        if device_type == "cuda" and self._coordinate is not None:
-            _select_gpu()
+        if device_type == "cuda":
+            _prepare_cuda(self._coordinate is not None)
 
     def _init_fields(
         self, device_type: str, array: np.ndarray, names: Sequence[str] | None
@@ -248,11 +248,19 @@ def _validate_mesh(
     return array
 
 
-def _select_gpu() -> None:
-    import cupy
+def _prepare_cuda(member: bool) -> None:
+    """Every world rank (the device type is agreed): the node facts and the GPU backend choice
+    are world collectives, made here once where every rank is present, never lazily by only
+    the ranks of a mesh. A member rank then takes its GPU: node-local rank modulo the count."""
+    from .comm.gpu import selected_backend
 
-    count = cupy.cuda.runtime.getDeviceCount()
-    cupy.cuda.Device(node_local_rank() % count).use()
+    node_facts()
+    selected_backend()
+    if member:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device(node_local_rank() % count).use()
 
 
 def init_device_mesh(
