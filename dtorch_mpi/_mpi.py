@@ -16,14 +16,26 @@ def library_world() -> MPI.Intracomm:
     return _library_world
 
 
-_node_local_rank: int | None = None
+_node: tuple[int, int] | None = None
+
+
+def node_facts() -> tuple[int, int]:
+    """``(this rank's index among the ranks of its node, ranks on the node)``: one world
+    collective (``Split_type(COMM_TYPE_SHARED)``) on first use, so the first call must be
+    made by every world rank together (cuda ``DeviceMesh`` construction makes it)."""
+    global _node
+    if _node is None:
+        node = library_world().Split_type(MPI.COMM_TYPE_SHARED)
+        _node = (node.Get_rank(), node.Get_size())
+        node.Free()
+    return _node
 
 
 def node_local_rank() -> int:
-    """This rank's index among the ranks of its node (``Split_type(COMM_TYPE_SHARED)``)."""
-    global _node_local_rank
-    if _node_local_rank is None:
-        node = library_world().Split_type(MPI.COMM_TYPE_SHARED)
-        _node_local_rank = node.Get_rank()
-        node.Free()
-    return _node_local_rank
+    """This rank's index among the ranks of its node."""
+    return node_facts()[0]
+
+
+def ranks_on_node() -> int:
+    """How many ranks share this rank's node."""
+    return node_facts()[1]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import abort
-from ._mpi import library_world, node_local_rank
+from ._mpi import library_world, node_facts, node_local_rank
 from .errors import MeshMismatchError
 from .spmd import require_same
 
@@ -18,6 +18,20 @@ DEVICE_TYPES = ("cpu", "cuda")
 _CONSTRUCTED = itertools.count()
 """Meshes built so far: construction is collective over the world, so a mesh's serial number
 is the same on every rank and tells apart meshes over the same ranks (see ``identity``)."""
+
+_RELEASES: list[Callable[[], None]] = []
+
+
+def release_on_free(release: Callable[[], None]) -> Callable[[], None]:
+    """Register a cache release that every ``DeviceMesh.free()`` runs.
+
+    A cache of things compiled for meshes (redistribute plans, operator plans) holds its
+    meshes and their communicators; ``free()`` empties it, and the cached function checks
+    ``_check_alive`` when it computes, so a freed mesh can never be served from a cache.
+    Per-communicator resources (NCCL communicators) are attached to the MPI communicator
+    instead (:mod:`dtorch_mpi.comm.lifetime`) and released by MPI when ``free()`` frees it."""
+    _RELEASES.append(release)
+    return release
 
 
 class DeviceMesh:
@@ -72,8 +86,8 @@ class DeviceMesh:
                 color = int(np.ravel_multi_index(rest, rest_shape)) if rest else 0
                 key = self._coordinate[k]
             self._groups.append(world.Split(color, key))  # type: ignore[arg-type]
-        if device_type == "cuda" and self._coordinate is not None:
-            _select_gpu()
+        if device_type == "cuda":
+            _prepare_cuda(self._coordinate is not None)
 
     def _init_fields(
         self, device_type: str, array: np.ndarray, names: Sequence[str] | None
@@ -128,6 +142,9 @@ class DeviceMesh:
         return self._identity
 
     def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's coordinate (None outside the mesh); raises once the mesh is freed, so
+        factories, ``from_local`` and ``distribute_tensor`` refuse a freed mesh."""
+        self._check_alive()
         return self._coordinate
 
     def get_local_rank(self, mesh_dim: int | str = 0) -> int | None:
@@ -149,10 +166,14 @@ class DeviceMesh:
         return DeviceMesh._sub(self, self._dim_index(name))
 
     def free(self) -> None:
-        """Release the mesh's communicators. Collective over the world; idempotent."""
+        """Release the mesh's communicators, what is attached to them (NCCL communicators) and
+        every cached plan (:func:`release_on_free`). Collective over the world; idempotent.
+        Using the mesh afterwards raises ``MeshMismatchError``."""
         if self._freed:
             return
         self._freed = True
+        for release in _RELEASES:
+            release()
         if self._owns_comms:
             for comm in (self._comm, *self._groups):
                 if comm != MPI.COMM_NULL:
@@ -186,9 +207,17 @@ class DeviceMesh:
             raise IndexError(f"mesh dim {mesh_dim} out of range for a {self.ndim}-D mesh")
         return mesh_dim % self.ndim
 
+    @property
+    def freed(self) -> bool:
+        """Whether ``free()`` ran on this mesh (or on the mesh it was taken from)."""
+        return self._freed or (self._parent is not None and self._parent.freed)
+
     def _check_alive(self) -> None:
-        if self._freed or (self._parent is not None and self._parent._freed):
-            raise MeshMismatchError(f"{self!r} has been freed; create a new mesh")
+        if self.freed:
+            raise MeshMismatchError(
+                f"{self!r} has been freed (DeviceMesh.free()); its DTensors can no longer be "
+                f"redistributed, computed on or created: create a new mesh"
+            )
 
 
 def _validate_mesh(
@@ -219,11 +248,19 @@ def _validate_mesh(
     return array
 
 
-def _select_gpu() -> None:
-    import cupy
+def _prepare_cuda(member: bool) -> None:
+    """Every world rank (the device type is agreed): the node facts and the GPU backend choice
+    are world collectives, made here once where every rank is present, never lazily by only
+    the ranks of a mesh. A member rank then takes its GPU: node-local rank modulo the count."""
+    from .comm.gpu import selected_backend
 
-    count = cupy.cuda.runtime.getDeviceCount()
-    cupy.cuda.Device(node_local_rank() % count).use()
+    node_facts()
+    selected_backend()
+    if member:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+        cupy.cuda.Device(node_local_rank() % count).use()
 
 
 def init_device_mesh(

@@ -92,3 +92,18 @@ def test_spmd_debug_compares_the_mpi_level_call(mesh1d: dt.DeviceMesh) -> None:
         config.set_spmd_debug(False)
     text = str(err.value)  # the MPI call kind and its counts (the group-wide sizes) are compared
     assert "mpi=Allgather" in text and "sizes=(2, 2" in text and "sizes=(3, 1" in text, text
+
+
+def test_one_registry_selects_the_backends() -> None:
+    """Backends come from one registry: ``mpi`` for cpu meshes, the cuda ones by name (the
+    values DTORCH_GPU_BACKEND accepts); an unknown name is a clear error."""
+    from dtorch_mpi.comm import backend, gpu
+
+    assert dt.comm.backend_for("cpu") is dt.comm.backend_named("mpi")
+    assert isinstance(dt.comm.backend_for("cpu"), dt.comm.MPIBackend)
+    assert backend.backends_for("cuda") == ("nccl", "cuda-aware-mpi", "host-staging")
+    assert gpu.gpu_backend_names() == ("auto", "nccl", "cuda-aware-mpi", "host-staging")
+    with pytest.raises(ValueError, match="no communication backend named 'ucc'"):
+        dt.comm.backend_named("ucc")
+    with pytest.raises(ValueError, match="DTORCH_GPU_BACKEND='ucc' is not one of auto, nccl"):
+        gpu.choose_backend("ucc", True, 1, 1, False)

@@ -90,3 +90,96 @@ def test_meshes_compare_by_value(mesh1d: dt.DeviceMesh) -> None:
     with dt.init_device_mesh("cpu", (SIZE,)) as other:
         assert other == mesh1d and hash(other) == hash(mesh1d)
     assert "DeviceMesh('cpu'" in repr(mesh1d)
+
+
+# --- lifetimes tied to the mesh (issue 14 §3) ---------------------------------------------------
+def test_a_new_mesh_never_gets_a_freed_meshs_communicator_or_plan() -> None:
+    """MPICH hands a new communicator the handle of a freed one; neither the compiled plans
+    nor the per-communicator resources (NCCL communicators: the backend's own cache, with a
+    stand-in for ``ncclCommInitRank`` so it runs on CPU) may follow the handle."""
+    from dtorch_mpi.comm import Group
+    from dtorch_mpi.comm.gpu import NCCLBackend
+    from dtorch_mpi.redistribute import compile_plan
+
+    made: list[tuple[str, int]] = []
+    destroyed: list[tuple[str, int]] = []
+
+    class StandIn:
+        def __init__(self, name: str) -> None:
+            self.id = (name, len(made))
+            made.append(self.id)
+
+        def destroy(self) -> None:
+            destroyed.append(self.id)
+
+    nccl = NCCLBackend()
+    nccl._create = lambda group: StandIn("old")  # type: ignore[method-assign]
+    old = dt.init_device_mesh("cpu", (SIZE,))
+    x = dt.distribute_tensor(np.arange(7.0), old, [dt.Shard(0)])
+    target = (dt.Replicate(),)
+    old_plan = compile_plan(x.spec, target)
+    np.testing.assert_array_equal(x.redistribute(placements=target).to_local(), np.arange(7.0))
+    (x + x).sum()  # operator plans for the old mesh
+    old_handle = MPI.Comm.py2f(old.get_group(0))
+    old_nccl = nccl._nccl(Group(old.get_group(0), 0))
+    assert nccl._nccl(Group(old.get_group(0), 0)) is old_nccl  # cached for the communicator's life
+    assert compile_plan.cache_info().currsize > 0 and dt.ops.cache_info().currsize > 0
+
+    old.free()
+    assert destroyed == [old_nccl.id]  # released by free(), not by the garbage collector
+    assert compile_plan.cache_info().currsize == 0 and dt.ops.cache_info().currsize == 0
+
+    new = dt.init_device_mesh("cpu", (SIZE,))
+    assert new == old  # equal by value: same ranks, shape and names
+    nccl._create = lambda group: StandIn("new")  # type: ignore[method-assign]
+    new_nccl = nccl._nccl(Group(new.get_group(0), 0))
+    assert new_nccl is not old_nccl and new_nccl.id[0] == "new", (
+        f"handles old={old_handle} new={MPI.Comm.py2f(new.get_group(0))}")
+    y = dt.distribute_tensor(np.arange(7.0), new, [dt.Shard(0)])
+    new_plan = compile_plan(y.spec, target)
+    assert new_plan is not old_plan
+    assert all(s.group is None or s.group.comm is new.get_group(0) for s in new_plan.steps)
+    np.testing.assert_array_equal(y.redistribute(placements=target).to_local(), np.arange(7.0))
+    new.free()
+    assert destroyed == [old_nccl.id, new_nccl.id]
+
+
+def test_a_freed_mesh_raises_mesh_mismatch_on_every_use() -> None:
+    """Redistribute (with a cached plan), to_torch, operators (with cached plans), factories,
+    from_local (trusted and checked) and distribute_tensor on a freed mesh all raise
+    MeshMismatchError saying it was freed, on every rank (free() is collective)."""
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    sub = dt.init_device_mesh("cpu", (1, SIZE), mesh_dim_names=("a", "b"))
+    tp = sub["b"]
+    x = dt.distribute_tensor(np.arange(5.0), mesh, [dt.Shard(0)])
+    p = dt.distribute_tensor(np.arange(5.0), mesh, [dt.Partial()])
+    z = dt.distribute_tensor(np.arange(5.0), tp, [dt.Shard(0)])
+    for t in (x, p, z):  # warm every cache
+        t.redistribute(placements=[dt.Replicate()])
+        t.to_torch()
+        (t * 2).sum()
+    async_pending = x.redistribute(placements=[dt.Replicate()], async_op=True).to_local()
+    assert async_pending is not None
+    mesh.free()
+    sub.free()
+    piece = np.zeros(1)
+    uses = {
+        "redistribute": lambda: x.redistribute(placements=[dt.Replicate()]),
+        "redistribute P->R": lambda: p.redistribute(placements=[dt.Replicate()]),
+        "redistribute on a sub-mesh": lambda: z.redistribute(placements=[dt.Replicate()]),
+        "async redistribute": lambda: x.redistribute(placements=[dt.Replicate()], async_op=True).to_local(),
+        "to_torch": lambda: x.to_torch(),
+        "to_torch_async": lambda: x.to_torch_async().wait(),
+        "operator": lambda: x * 2,
+        "reduction": lambda: p.sum(),
+        "sub-mesh operator": lambda: z + z,
+        "zeros": lambda: dt.zeros(4, device_mesh=mesh, placements=[dt.Shard(0)]),
+        "randn": lambda: dt.randn(4, device_mesh=tp, placements=[dt.Replicate()]),
+        "from_local": lambda: dt.DTensor.from_local(piece, mesh, [dt.Shard(0)], shape=(SIZE,)),
+        "from_local checked": lambda: dt.DTensor.from_local(piece, mesh, [dt.Shard(0)], run_check=True),
+        "distribute_tensor": lambda: dt.distribute_tensor(np.arange(5.0), mesh, [dt.Shard(0)]),
+    }
+    for what, use in uses.items():
+        with pytest.raises(dt.MeshMismatchError, match="has been freed"):
+            use()
+            pytest.fail(f"{what} on a freed mesh did not raise")

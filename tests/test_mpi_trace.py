@@ -172,3 +172,29 @@ def test_the_issue_18_reproducer_makes_one_call_kind(mesh1d: dt.DeviceMesh) -> N
     kinds = WORLD.allgather([c[0] for c in comm.calls])
     assert all(k == kinds[0] for k in kinds), kinds
     assert np.array_equal(got, local_piece(full, mesh1d, [dt.Shard(1)]))
+
+
+@pytest.mark.skipif(SIZE != 4, reason="needs a 2x2 mesh: a two-step plan whose later step shares a group")
+@pytest.mark.parametrize("traced_mesh", [(2, 2)], indirect=True)
+def test_later_async_steps_start_in_one_order_on_every_rank(traced_mesh: dt.DeviceMesh, check: Checker) -> None:
+    """A two-step async redistribute (S0,S0)->(R,R): gather along mesh dim 1, then along mesh
+    dim 0. Rank 0 polls ``done()`` while its first step finishes; the others go straight on to
+    a blocking redistribute along mesh dim 0. The queued second step must start at the same
+    point on every rank (before the blocking one), whatever the polling did."""
+    mesh = traced_mesh
+    S0, R = dt.Shard(0), dt.Replicate()
+    full = np.arange(5.0 * 3).reshape(5, 3)
+    other = np.arange(7.0)
+    x = dt.DTensor.from_local(make_pieces(full, mesh, [S0, S0]), mesh, [S0, S0], shape=full.shape)
+    y = dt.DTensor.from_local(make_pieces(other, mesh, [S0, R]), mesh, [S0, R], shape=other.shape)
+    handle = x.redistribute(placements=[R, R], async_op=True)
+    if mesh.get_coordinate() == (0, 0):
+        pending = handle._pending  # the CompiledHandle behind the async result
+        assert pending is not None
+        for _ in range(20000):  # the first step finishes while rank 0 polls
+            if pending.done():
+                break
+    check.equal(y.redistribute(placements=[R, R]).to_local(), other, "blocking redistribute meanwhile")
+    check.equal(handle.to_local(), full, "two-step async redistribute")
+    _compare_groups(mesh, "two-step async + blocking", check)
+    check.done()

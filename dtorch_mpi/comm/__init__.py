@@ -1,24 +1,30 @@
-"""Communication layer: one collective interface, several backends (MPI now; GPU later)."""
+"""Communication layer: one collective interface (``backend.Backend``), several backends.
 
+The registry below is the one place naming the backends: adding one is its module plus one
+``register_backend`` line (docs/backends.md). ``backend_for`` picks a mesh's backend: MPI for
+``"cpu"``; for ``"cuda"`` the backend agreed across ranks when the first cuda mesh was built.
+"""
+
+from . import gpu
+from .backend import Backend, Handle, backend_named, register_backend
 from .config import comm_path, set_comm_path
 from .counter import CommCounter, CommRecord
 from .group import Group
 from .mpi_backend import MPIBackend
 from .work import Work, completed
 
-_MPI = MPIBackend()
+register_backend("mpi", MPIBackend, "cpu")
+register_backend("nccl", gpu.NCCLBackend, "cuda")
+register_backend("cuda-aware-mpi", gpu.CudaAwareMPIBackend, "cuda")
+register_backend("host-staging", gpu.HostStagingBackend, "cuda")
 
 
-def backend_for(device_type: str) -> MPIBackend:
+def backend_for(device_type: str) -> Backend:
     """The backend moving pieces of a mesh of ``device_type``."""
-    if device_type == "cuda":
-        from .gpu import gpu_backend
-
-        return gpu_backend()  # type: ignore[return-value]
-    return _MPI
+    return backend_named(gpu.selected_backend() if device_type == "cuda" else "mpi")
 
 
 __all__ = [
-    "CommCounter", "CommRecord", "Group", "MPIBackend", "Work", "backend_for", "comm_path",
-    "completed", "set_comm_path",
+    "Backend", "CommCounter", "CommRecord", "Group", "Handle", "MPIBackend", "Work", "backend_for",
+    "backend_named", "comm_path", "completed", "register_backend", "set_comm_path",
 ]

@@ -7,7 +7,8 @@
   see scripts/bench_redistribute.py).
 - ``padded``: always pad to equal sizes, the path NCCL needs; selectable on CPU so CI runs it.
 - ``variable``: always the variable-size collectives.
-``DTORCH_GPU_BACKEND``: ``auto`` | ``nccl`` | ``cuda-aware-mpi`` | ``host-staging`` (GPU meshes).
+``DTORCH_GPU_BACKEND``: ``auto`` or a registered ``"cuda"`` backend (``nccl`` | ``cuda-aware-mpi``
+| ``host-staging``; see comm/gpu.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import os
 
 PATHS = ("auto", "padded", "variable")
-GPU_BACKENDS = ("auto", "nccl", "cuda-aware-mpi", "host-staging")
 
 _path: str | None = None
 

@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .._mpi import library_world
-from .config import GPU_BACKENDS
+from .._mpi import library_world, ranks_on_node
+from .backend import backends_for
 from .counter import record
 from .group import Group
 from .layout import offsets, view3, with_dim
+from .lifetime import CommAttached
 from .mpi_backend import MPIBackend
 from .work import Work, completed, moves_nothing
 
@@ -30,8 +31,8 @@ from .work import Work, completed, moves_nothing
 def choose_backend(requested: str, nccl_available: bool, ranks_on_node: int, gpus_on_node: int,
                    cuda_aware_mpi: bool) -> str:
     """The backend to use (pure: unit-tested without a GPU)."""
-    if requested not in GPU_BACKENDS:
-        raise ValueError(f"DTORCH_GPU_BACKEND={requested!r} is not one of {', '.join(GPU_BACKENDS)}")
+    if requested not in gpu_backend_names():
+        raise ValueError(f"DTORCH_GPU_BACKEND={requested!r} is not one of {', '.join(gpu_backend_names())}")
     if requested == "nccl":
         if not nccl_available:
             raise RuntimeError("DTORCH_GPU_BACKEND=nccl but cupy.cuda.nccl is not available")
@@ -44,6 +45,11 @@ def choose_backend(requested: str, nccl_available: bool, ranks_on_node: int, gpu
     if nccl_available and ranks_on_node <= gpus_on_node:
         return "nccl"
     return "cuda-aware-mpi" if cuda_aware_mpi else "host-staging"
+
+
+def gpu_backend_names() -> tuple[str, ...]:
+    """The values ``DTORCH_GPU_BACKEND`` accepts: ``auto`` and every registered cuda backend."""
+    return ("auto", *backends_for("cuda"))
 
 
 def mpi_is_cuda_aware() -> bool:
@@ -62,7 +68,8 @@ def agreed_facts(world: MPI.Intracomm, requested: str, nccl_available: bool, ran
     """The selection facts every rank shares: NCCL and CUDA-aware MPI only where every rank
     has them, the most crowded node's ranks and the fewest GPUs, so every rank picks the same
     backend (one rank in NCCL while another calls MPI would hang)."""
-    code = GPU_BACKENDS.index(requested) if requested in GPU_BACKENDS else len(GPU_BACKENDS)
+    names = gpu_backend_names()
+    code = names.index(requested) if requested in names else len(names)
     local = np.array([code, -code, -int(nccl_available), ranks_on_node, -gpus_on_node, -int(cuda_aware_mpi)],
                      dtype=np.int64)
     worst = np.empty_like(local)
@@ -72,15 +79,20 @@ def agreed_facts(world: MPI.Intracomm, requested: str, nccl_available: bool, ran
     return bool(-worst[2]), int(worst[3]), int(-worst[4]), bool(-worst[5])
 
 
-_backend: Any = None
+_selected: str | None = None
 
 
-def gpu_backend() -> Any:
-    """The process's GPU backend (chosen once; collective on first use for NCCL)."""
-    global _backend
-    if _backend is None:
-        import cupy
+def selected_backend() -> str:
+    """The name of the process's GPU backend, chosen once from facts agreed over the library's
+    world (a collective of every world rank: cuda ``DeviceMesh`` construction calls it first)."""
+    global _selected
+    if _selected is None:
+        try:
+            import cupy
 
+            gpus = int(cupy.cuda.runtime.getDeviceCount())
+        except Exception:  # a rank without CuPy or a GPU takes part with none
+            gpus = 0
         try:
             from cupy.cuda import nccl  # noqa: F401
 
@@ -88,16 +100,10 @@ def gpu_backend() -> Any:
         except ImportError:
             have_nccl = False
         world = library_world()
-        node = world.Split_type(MPI.COMM_TYPE_SHARED)
-        ranks_on_node = node.Get_size()
-        node.Free()
         requested = os.environ.get("DTORCH_GPU_BACKEND", "auto")
-        facts = agreed_facts(world, requested, have_nccl, ranks_on_node, cupy.cuda.runtime.getDeviceCount(),
-                             mpi_is_cuda_aware())
-        name = choose_backend(requested, *facts)
-        _backend = {"nccl": NCCLBackend, "cuda-aware-mpi": CudaAwareMPIBackend,
-                    "host-staging": HostStagingBackend}[name]()
-    return _backend
+        facts = agreed_facts(world, requested, have_nccl, ranks_on_node(), gpus, mpi_is_cuda_aware())
+        _selected = choose_backend(requested, *facts)
+    return _selected
 
 
 # --- host staging --------------------------------------------------------------------------
@@ -237,22 +243,25 @@ class NCCLBackend:
     name = "nccl"
 
     def __init__(self) -> None:
-        self._comms: dict[int, Any] = {}
+        # attached to the group's MPI communicator: released when the mesh frees it, never
+        # handed to a new communicator that MPI gives the freed one's handle
+        self._comms: CommAttached[Any] = CommAttached("an NCCL communicator", lambda c: c.destroy())
 
     def _nccl(self, group: Group) -> Any:
+        return self._comms.get(group.comm, lambda: self._create(group))
+
+    @staticmethod
+    def _create(group: Group) -> Any:
+        """A new NCCL communicator over ``group`` (collective: rank 0's unique id is broadcast)."""
         from cupy.cuda import nccl
 
-        key = MPI.Comm.py2f(group.comm)
-        comm = self._comms.get(key)
-        if comm is None:
-            uid = nccl.get_unique_id() if group.rank == 0 else None
-            raw = np.zeros(128, dtype=np.uint8)
-            if group.rank == 0:
-                raw[:] = np.frombuffer(uid_to_bytes(uid), dtype=np.uint8)[:128]
-            group.comm.Bcast(raw, root=0)
-            like = uid if uid is not None else nccl.get_unique_id()
-            comm = self._comms[key] = nccl.NcclCommunicator(group.size, uid_from_bytes(raw.tobytes(), like), group.rank)
-        return comm
+        uid = nccl.get_unique_id() if group.rank == 0 else None
+        raw = np.zeros(128, dtype=np.uint8)
+        if group.rank == 0:
+            raw[:] = np.frombuffer(uid_to_bytes(uid), dtype=np.uint8)[:128]
+        group.comm.Bcast(raw, root=0)
+        like = uid if uid is not None else nccl.get_unique_id()
+        return nccl.NcclCommunicator(group.size, uid_from_bytes(raw.tobytes(), like), group.rank)
 
     @staticmethod
     def _stream() -> int:
@@ -374,5 +383,5 @@ class NCCLBackend:
 
 
 __all__ = ["CudaAwareMPIBackend", "DeviceAdapter", "HostStagingBackend", "NCCLBackend", "agreed_facts", "choose_backend",
-           "gpu_backend", "mpi_is_cuda_aware", "nccl_wire", "padded_plan",
+           "gpu_backend_names", "selected_backend", "mpi_is_cuda_aware", "nccl_wire", "padded_plan",
            "uid_from_bytes", "uid_to_bytes"]

@@ -24,7 +24,7 @@ from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
 from .routes import Route, all_to_all_route, gather_route
-from .work import Work, completed, moves_nothing, reap
+from .work import Work, collective_starting, completed, moves_nothing, reap
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -68,6 +68,7 @@ def check_same_call(group: Group, description: str) -> None:
     """SPMD debug mode: all ranks of ``group`` must be making the same collective call."""
     if group.size == 1:
         return
+    collective_starting()
     mine = np.zeros(_DEBUG_BYTES, dtype=np.uint8)
     raw = description.encode()[:_DEBUG_BYTES]
     mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
@@ -132,6 +133,7 @@ class MPIBackend:
     ) -> Work:
         """Start the collective: nonblocking when asked, or when the deadline is on (then
         waited here, bounded by it); a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
+        collective_starting()
         reap()
         _sync_device(keep)
         if async_op or collective_timeout() > 0:

@@ -58,6 +58,20 @@ def drain() -> None:
 
 atexit.register(drain)  # registered after mpi4py's finaliser, so it runs first
 
+_BEFORE_START: list[Callable[[], None]] = []
+
+
+def before_collective(hook: Callable[[], None]) -> None:
+    """Run ``hook`` before every collective a backend starts (the executor starts the queued
+    steps of pending multi-step redistributes there, in one order on every rank)."""
+    _BEFORE_START.append(hook)
+
+
+def collective_starting() -> None:
+    """Called first by a backend about to start a collective (before its SPMD debug check)."""
+    for hook in _BEFORE_START:
+        hook()
+
 
 class Work:
     """A started collective. ``wait()`` returns its result; ``done()`` polls without blocking.

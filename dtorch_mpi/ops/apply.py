@@ -25,6 +25,7 @@ from ..autograd.function import needs_recording, record_op, version_of
 from ..autograd.grad_mode import _GradMode
 from ..dtensor import DTensor
 from ..errors import PlacementError
+from ..mesh import release_on_free
 from ..redistribute import run_compiled
 from ..spec import DTensorSpec
 from .dispatch import INFERENCE_CACHE_SIZE, OpPlan
@@ -46,7 +47,11 @@ def _resolve_kernel(op: Op, xp: Any) -> Callable[..., Any]:
 @lru_cache(maxsize=INFERENCE_CACHE_SIZE)
 def plan_for(op: Op, specs: tuple[DTensorSpec | None, ...], params: tuple[Any, ...]) -> OpPlan:
     """The plan of ``op`` on these input specs and hashable parameters, built once (metadata
-    only) with the op's kernel resolved for the mesh's array library."""
+    only) with the op's kernel resolved for the mesh's array library. ``DeviceMesh.free()``
+    empties the cache, so a freed mesh always reaches this check."""
+    for spec in specs:
+        if spec is not None:
+            spec.mesh._check_alive()
     plan = op.planner(op, specs, params)
     return replace(plan, kernel=_resolve_kernel(op, plan.xp))
 
@@ -64,8 +69,10 @@ def cache_info() -> CacheInfo:
     return CacheInfo(info.hits, info.misses, info.maxsize or 0, info.currsize)
 
 
+@release_on_free
 def clear_plan_cache() -> None:
-    """Drop every cached operator plan (they hold their meshes)."""
+    """Drop every cached operator plan (they hold their meshes); every ``DeviceMesh.free()``
+    does."""
     plan_for.cache_clear()
 
 

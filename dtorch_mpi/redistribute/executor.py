@@ -3,14 +3,18 @@ placements), then run with blocking collectives or as a chain of nonblocking ste
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from ..comm import Group, Work, backend_for, completed
-from ..placement import Partial, Placement, Shard
+from ..comm import Backend, Group, Handle, backend_for, completed
+from ..comm.work import before_collective
+from ..mesh import release_on_free
+from ..placement import Placement
 from ..split import local_shape_and_offset, split_range, split_sizes
-from .planner import plan_redistribute
+from .planner import StepKind, plan_redistribute
 
 if TYPE_CHECKING:
     from ..spec import DTensorSpec
@@ -36,7 +40,7 @@ def _with_placement(
 class CompiledStep:
     """One step with everything precomputed from the split rule (no per-call arithmetic)."""
 
-    kind: str
+    kind: StepKind
     group: Group | None
     args: tuple[Any, ...]
     out_shape: tuple[int, ...]
@@ -52,11 +56,63 @@ class CompiledPlan:
         return any(s.group is not None for s in self.steps)
 
 
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _StepRule:
+    """How a step kind is compiled and run: ``args(src, dst, shape, out_shape, m, me)`` from
+    the split rule (``shape``/``out_shape``: the local piece before and after, ``m`` ranks
+    along the mesh dim, ``me`` this rank's coordinate there), then
+    ``run(step, x, xp, backend, async_op)`` on the local piece ``x`` (``xp``: its array module)."""
+
+    args: Callable[[Any, Any, Shape, Shape, int, int], tuple[Any, ...]]
+    run: Callable[[CompiledStep, Any, Any, Backend, bool], Handle]
+
+
+def _bounds(size_start: tuple[int, int]) -> tuple[int, int]:
+    size, start = size_start
+    return start, start + size
+
+
+def _collective(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
+    """The backend collective named by the step kind, into a new buffer of the step's output shape."""
+    call = getattr(backend, step.kind.value)
+    return call(step.group, x, xp.empty(step.out_shape, dtype=x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
+
+
+_STEPS: dict[StepKind, _StepRule] = {
+    StepKind.SLICE: _StepRule(
+        lambda src, dst, shape, out, m, me: (
+            (slice(None),) * dst.dim + (slice(*_bounds(split_range(shape[dst.dim], m, me))),),),
+        lambda step, x, xp, backend, async_op: completed(x[step.args[0]])),
+    StepKind.TO_PARTIAL: _StepRule(  # the value at coordinate 0, the op's zero elsewhere for sum
+        lambda src, dst, shape, out, m, me: (dst.reduce_op == "sum" and me != 0,),
+        lambda step, x, xp, backend, async_op: completed(xp.zeros_like(x) if step.args[0] else x)),
+    StepKind.ALL_GATHER: _StepRule(
+        lambda src, dst, shape, out, m, me: (src.dim, split_sizes(out[src.dim], m)),
+        _collective),
+    StepKind.ALL_TO_ALL: _StepRule(
+        lambda src, dst, shape, out, m, me: (
+            dst.dim, split_sizes(shape[dst.dim], m), src.dim, split_sizes(out[src.dim], m)),
+        _collective),
+    StepKind.ALL_REDUCE: _StepRule(
+        lambda src, dst, shape, out, m, me: (src.reduce_op,),
+        _collective),
+    StepKind.REDUCE_SCATTER: _StepRule(
+        lambda src, dst, shape, out, m, me: (dst.dim, split_sizes(shape[dst.dim], m), src.reduce_op),
+        _collective),
+}
+
+
 @lru_cache(maxsize=4096)
 def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> CompiledPlan:
     """The redistribute from ``spec`` to ``target`` placements, compiled for this rank and
-    cached on (source spec, target placements): metadata only."""
+    cached on (source spec, target placements): metadata only. Specs compare their meshes
+    by object, and ``DeviceMesh.free()`` empties this cache, so a plan (and the communicators
+    it holds) serves only the live mesh it was compiled for."""
     mesh = spec.mesh
+    mesh._check_alive()
     out_spec = spec.with_placements(target)
     coord = mesh.get_coordinate()
     if coord is None:
@@ -68,49 +124,19 @@ def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compiled
         k, m, me = step.mesh_dim, mesh.shape[step.mesh_dim], coord[step.mesh_dim]
         after = _with_placement(placements, k, step.dst)
         out_shape = local_shape_and_offset(spec.shape, mesh.shape, after, coord)[0]
-        kind = step.kind
-        group = None if kind in ("slice", "to_partial") else Group(mesh.get_group(k), k)
-        src, dst = step.src, step.dst
-        if kind == "slice":
-            assert isinstance(dst, Shard)
-            size, start = split_range(shape[dst.dim], m, me)
-            args: tuple[Any, ...] = ((slice(None),) * dst.dim + (slice(start, start + size),),)
-        elif kind == "to_partial":
-            assert isinstance(dst, Partial)
-            args = (dst.reduce_op == "sum" and me != 0,)
-        elif kind == "all_gather":
-            assert isinstance(src, Shard)
-            args = (src.dim, split_sizes(out_shape[src.dim], m))
-        elif kind == "all_to_all":
-            assert isinstance(src, Shard) and isinstance(dst, Shard)
-            args = (dst.dim, split_sizes(shape[dst.dim], m), src.dim, split_sizes(out_shape[src.dim], m))
-        elif kind == "all_reduce":
-            assert isinstance(src, Partial)
-            args = (src.reduce_op,)
-        else:
-            assert isinstance(src, Partial) and isinstance(dst, Shard)
-            args = (dst.dim, split_sizes(shape[dst.dim], m), src.reduce_op)
-        compiled.append(CompiledStep(kind, group, args, out_shape))
+        group = Group(mesh.get_group(k), k) if step.communicates else None
+        args = _STEPS[step.kind].args(step.src, step.dst, shape, out_shape, m, me)
+        compiled.append(CompiledStep(step.kind, group, args, out_shape))
         placements, shape = after, out_shape
     return CompiledPlan(out_spec, tuple(compiled))
 
 
-def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Any, async_op: bool) -> Work:
-    kind, args = step.kind, step.args
-    if kind == "slice":
-        return completed(x[args[0]])
-    if kind == "to_partial":
-        return completed(xp.zeros_like(x) if args[0] else x)
-    out = xp.empty(step.out_shape, dtype=x.dtype)
-    group = step.group
-    assert group is not None
-    if kind == "all_gather":
-        return backend.all_gather(group, x, out, args[0], args[1], async_op)
-    if kind == "all_to_all":
-        return backend.all_to_all(group, x, out, *args, async_op)
-    if kind == "all_reduce":
-        return backend.all_reduce(group, x, out, args[0], async_op)
-    return backend.reduce_scatter(group, x, out, *args, async_op)
+release_on_free(compile_plan.cache_clear)
+
+
+def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
+    """Start one step on the local piece ``x`` (a local step is finished at once)."""
+    return _STEPS[step.kind].run(step, x, xp, backend, async_op)
 
 
 def run_compiled(x: Any, plan: CompiledPlan) -> Any:
@@ -118,6 +144,7 @@ def run_compiled(x: Any, plan: CompiledPlan) -> Any:
     if not plan.steps:
         return x
     mesh = plan.out_spec.mesh
+    mesh._check_alive()  # a plan compiled before the mesh was freed
     xp, backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
     for step in plan.steps:
         x = run_compiled_step(step, x, xp, backend, False).wait()
@@ -125,34 +152,75 @@ def run_compiled(x: Any, plan: CompiledPlan) -> Any:
 
 
 class CompiledHandle:
-    """A compiled plan on nonblocking collectives: ``done()`` polls and starts the next step,
-    ``wait()`` finishes and returns the new local piece."""
+    """A compiled plan on nonblocking collectives; ``wait()`` returns the new local piece,
+    ``done()`` polls.
+
+    The first step starts at once. A later step needs the previous one's result, so it starts
+    later, and MPI requires every rank to start collectives on a communicator in one order.
+    So later steps go to one queue (:data:`_UNSTARTED`, handles in creation order) and start
+    only in queue order: opportunistically in ``done()`` (while the head's current step has
+    finished here), and all of them, waiting as needed, before any other collective starts
+    (``before_collective``) and in ``wait()``. Every rank thus starts them after the same
+    collectives and before the same next one, whenever its own ``done()`` calls happen."""
 
     def __init__(self, x: Any, plan: CompiledPlan) -> None:
-        mesh = plan.out_spec.mesh
+        mesh = self._mesh = plan.out_spec.mesh
         self._xp, self._backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
         self._x = x
-        self._steps = iter(plan.steps)
-        self._work: Work | None = None
-        self._advance()
+        self._steps = list(plan.steps)
+        self._work: Handle | None = None
+        if self._steps:
+            self._start_next()
+        if self._steps:
+            _UNSTARTED.append(self)
 
-    def _advance(self) -> bool:
-        while True:
-            if self._work is not None:
-                if not self._work.done():
-                    return False
-                self._x = self._work.wait()
-                self._work = None
-            step = next(self._steps, None)
-            if step is None:
-                return True
-            self._work = run_compiled_step(step, self._x, self._xp, self._backend, True)
+    def _start_next(self) -> None:
+        if self._work is not None:
+            self._x = self._work.wait()
+        self._mesh._check_alive()  # the mesh was freed while this handle was pending
+        self._work = run_compiled_step(self._steps.pop(0), self._x, self._xp, self._backend, True)
 
     def done(self) -> bool:
-        return self._advance()
+        start_queued(block=False)
+        return not self._steps and (self._work is None or self._work.done())
 
     def wait(self) -> Any:
-        while not self._advance():
-            assert self._work is not None
-            self._work.wait()
+        if self._steps:
+            start_queued(block=True, upto=self)
+        if self._work is not None:
+            self._x = self._work.wait()
+            self._work = None
         return self._x
+
+
+_UNSTARTED: deque[CompiledHandle] = deque()
+_starting = False
+
+
+def start_queued(block: bool, upto: CompiledHandle | None = None) -> None:
+    """Start queued later steps in queue order: ``block=False`` stops at the first whose
+    previous step has not finished here; ``block=True`` waits for those, up to ``upto``'s last
+    step (or the whole queue)."""
+    global _starting
+    if _starting:  # a step being started here reaches before_collective again
+        return
+    _starting = True
+    try:
+        while _UNSTARTED:
+            head = _UNSTARTED[0]
+            if not block and head._work is not None and not head._work.done():
+                return
+            try:
+                head._start_next()
+            except BaseException:
+                _UNSTARTED.popleft()  # a failed handle (e.g. its mesh was freed) leaves the queue
+                raise
+            if not head._steps:
+                _UNSTARTED.popleft()
+                if head is upto:
+                    return
+    finally:
+        _starting = False
+
+
+before_collective(lambda: start_queued(block=True))

@@ -14,9 +14,36 @@ splits the same tensor dim. So the plan runs in two phases:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from functools import lru_cache
 
 from ..placement import Partial, Placement, Replicate, Shard
+
+
+class StepKind(str, Enum):
+    """What one step does, by (source, target) placement kind; equal to its name as a string
+    (``StepKind.ALL_GATHER == "all_gather"``). The executor's table has one entry per kind."""
+
+    ALL_GATHER = "all_gather"  # Shard -> Replicate
+    ALL_TO_ALL = "all_to_all"  # Shard -> Shard
+    ALL_REDUCE = "all_reduce"  # Partial -> Replicate
+    REDUCE_SCATTER = "reduce_scatter"  # Partial -> Shard
+    SLICE = "slice"  # Replicate -> Shard (local)
+    TO_PARTIAL = "to_partial"  # Replicate -> Partial (local)
+
+    @property
+    def communicates(self) -> bool:
+        return self not in (StepKind.SLICE, StepKind.TO_PARTIAL)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_KINDS = {  # (source is Shard / Partial / Replicate, target is Shard) -> kind
+    (Shard, True): StepKind.ALL_TO_ALL, (Shard, False): StepKind.ALL_GATHER,
+    (Partial, True): StepKind.REDUCE_SCATTER, (Partial, False): StepKind.ALL_REDUCE,
+    (Replicate, True): StepKind.SLICE, (Replicate, False): StepKind.TO_PARTIAL,
+}
 
 
 @dataclass(frozen=True)
@@ -28,17 +55,12 @@ class Step:
     dst: Placement
 
     @property
-    def kind(self) -> str:
-        s, d = self.src, self.dst
-        if isinstance(s, Shard):
-            return "all_to_all" if isinstance(d, Shard) else "all_gather"
-        if isinstance(s, Partial):
-            return "reduce_scatter" if isinstance(d, Shard) else "all_reduce"
-        return "slice" if isinstance(d, Shard) else "to_partial"
+    def kind(self) -> StepKind:
+        return _KINDS[type(self.src), isinstance(self.dst, Shard)]
 
     @property
     def communicates(self) -> bool:
-        return self.kind not in ("slice", "to_partial")
+        return self.kind.communicates
 
     def __repr__(self) -> str:
         return f"mesh dim {self.mesh_dim}: {self.src!r} -> {self.dst!r} ({self.kind})"
