@@ -22,6 +22,16 @@ is the same on every rank and tells apart meshes over the same ranks (see ``iden
 _RELEASES: list[Callable[[], None]] = []
 
 
+def _settings() -> dict[str, object]:
+    """The settings that decide which MPI calls the library makes: agreed at every mesh
+    construction, so no rank runs another collective path, debug check or deadline."""
+    from .comm.config import comm_path, spmd_debug
+    from .comm.deadline import collective_timeout
+
+    return {"DTORCH_COMM_PATH": comm_path(), "DTORCH_SPMD_DEBUG": spmd_debug(),
+            "DTORCH_COLLECTIVE_TIMEOUT": collective_timeout()}
+
+
 def release_on_free(release: Callable[[], None]) -> Callable[[], None]:
     """Register a cache release that every ``DeviceMesh.free()`` runs.
 
@@ -63,6 +73,9 @@ class DeviceMesh:
              "mesh_dim_names": None if mesh_dim_names is None else tuple(mesh_dim_names)},
             what="ranks passed different meshes to DeviceMesh()", error=MeshMismatchError, problem=problem,
         )
+        require_same(world, _settings(), what="ranks run with different dtorch_mpi settings (environment "
+                     "variables or set_comm_path); every MPI call must be the same on every rank, so set them "
+                     "alike on every rank")
         self._init_fields(device_type, array, mesh_dim_names)
         self._identity: tuple[Any, ...] = (next(_CONSTRUCTED),)
         me = world.Get_rank()

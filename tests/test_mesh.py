@@ -183,3 +183,15 @@ def test_a_freed_mesh_raises_mesh_mismatch_on_every_use() -> None:
         with pytest.raises(dt.MeshMismatchError, match="has been freed"):
             use()
             pytest.fail(f"{what} on a freed mesh did not raise")
+
+
+def test_ranks_with_different_settings_raise_at_mesh_construction() -> None:
+    if SIZE < 2:
+        pytest.skip("needs two ranks")
+    before = dt.comm.config.comm_path()
+    dt.set_comm_path("padded" if RANK == 0 else "variable")
+    try:
+        with pytest.raises(dt.SPMDDivergenceError, match="DTORCH_COMM_PATH"):
+            dt.init_device_mesh("cpu", (SIZE,))
+    finally:
+        dt.set_comm_path(before)
