@@ -112,12 +112,17 @@ def encode(value: Any, key: str) -> tuple[np.ndarray, str] | None:
     return KINDS[kind].encode(value), kind
 
 
+def _plain(value: Any) -> str:
+    plain = value.item() if isinstance(value, np.generic) else value
+    return f"{type(plain).__name__} {plain!r}"[:80]
+
+
 def check_stored(pytype: Any, ds: Any, where: str) -> str:
     """The metadata of a scalar dataset against its ``pytype`` (no data read); returns the pytype."""
     if isinstance(pytype, bytes):
         pytype = pytype.decode("utf-8", "replace")
     if not isinstance(pytype, str) or pytype not in KINDS:
-        raise CheckpointError(f"{where}: unknown {ATTRIBUTE} attribute {pytype!r} (known: {', '.join(KINDS)})")
+        raise CheckpointError(f"{where}: unknown {ATTRIBUTE} attribute {_plain(pytype)} (known: {', '.join(KINDS)})")
     kind = KINDS[pytype]
     shape = tuple(ds.shape)
     if ds.dtype != kind.dtype or len(shape) != kind.ndim:
@@ -141,6 +146,6 @@ def check_group(pytype: Any, where: str) -> str:
     if isinstance(pytype, bytes):
         pytype = pytype.decode("utf-8", "replace")
     if pytype != "" and (not isinstance(pytype, str) or pytype not in GROUP_TYPES):
-        raise CheckpointError(f"{where}: unknown group {ATTRIBUTE} attribute {pytype!r} "
+        raise CheckpointError(f"{where}: unknown group {ATTRIBUTE} attribute {_plain(pytype)} "
                               f"(known: {', '.join(GROUP_TYPES)})")
     return pytype
