@@ -215,8 +215,8 @@ def test_damaged_and_foreign_files_are_rejected_everywhere(damage: str, mesh1d: 
 def test_save_errors(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
     with pytest.raises(dt.CheckpointError, match="does not exist"):
         dt.save({"a": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "no", "such", "x.h5"))
-    with pytest.raises(dt.CheckpointError, match="takes DTensors"):
-        dt.save({"a": np.zeros(2)}, os.path.join(shared_dir, "x.h5"))
+    with pytest.raises(dt.CheckpointError, match="cannot save a set"):
+        dt.save({"a": {1, 2}}, os.path.join(shared_dir, "x.h5"))
     with pytest.raises(dt.CheckpointError, match="cannot be a dataset name"):
         dt.save({"a..b": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "x.h5"))
     if SIZE > 1:
@@ -470,3 +470,248 @@ def test_chunked_staging_notices_a_file_changing_between_passes(mesh1d: dt.Devic
     tgt = targets(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
     with pytest.raises(dt.CheckpointError, match="changed while loading"):
         dt.load(path, {k: tgt[k] for k in sd}, staging="chunks")
+
+
+# ---- training state: nested mappings, Python scalars with exact types, optimizers ----
+
+SCALARS: dict[str, Any] = {
+    "step": 7, "big": -(2 ** 63), "lr": 0.1, "nan": float("nan"), "neg0": -0.0, "inf": float("-inf"),
+    "flag": True, "off": False, "name": "héllo ✓", "empty_str": "", "none": None,
+    "betas": (0.9, 0.999), "params": [0, 1, 2], "flags": [True, False], "ints_t": (3,),
+    "mixed": [1, "a", None, 2.5, (True, 2)], "empty": [], "empty_t": (), "empty_map": {},
+    "nested": {"deep": {3: "x", -1: (True, False)}, "groups": [{"lr": 1e-3, "params": [4, 5]}]},
+    "dotted.key": 3, "zero_d": np.float32(2.5), "ints": np.arange(5, dtype=np.int16),
+}
+
+
+def _same(got: Any, want: Any, where: str = "") -> None:
+    """Equal values of exactly the same types, recursively (NaN equals NaN, -0.0 is not 0.0)."""
+    if isinstance(want, np.generic):
+        want = np.asarray(want)
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, np.ndarray):
+        assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), where
+    elif isinstance(want, dict):
+        assert list(got) == sorted(want, key=lambda k: (str(type(k)), k)) or set(got) == set(want), where
+        for k in want:
+            _same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"{where}[{i}]")
+    elif isinstance(want, float):
+        assert np.float64(got).tobytes() == np.float64(want).tobytes(), f"{where}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def test_scalars_round_trip_with_exact_types(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    path = os.path.join(shared_dir, "scalars.h5")
+    fulls, sd = state(mesh1d, LAYOUTS_1D[:2], (N_ROWS, 3))
+    dt.save({**SCALARS, "tensors": sd}, path)
+    tgt = targets(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    slots: dict[str, Any] = {k: None for k in SCALARS}
+    slots["dotted"] = {"key": None}
+    del slots["dotted.key"]
+    slots["tensors"] = {k: tgt[k] for k in sd}
+    assert dt.load(path, slots) is slots
+    want = dict(SCALARS, dotted={"key": 3})
+    del want["dotted.key"]
+    for key, value in want.items():
+        _same(slots[key], value, key)
+    for k in sd:
+        assert np.array_equal(tgt[k].to_torch(), fulls[k]), k
+    if RANK == 0:  # plain h5py reads every value
+        with h5py.File(path, "r") as f:
+            assert f["step"][()] == 7 and f["step"].attrs["pytype"] == "int"
+            assert f["name"][()].tobytes().decode() == "héllo ✓" and f["mixed"].attrs["pytype"] == "list"
+            assert list(f["betas"][()]) == [0.9, 0.999] and f["betas"].attrs["pytype"] == "tuple[float]"
+            assert f["nested/deep"].attrs["pytype"] == "dict[int]" and f["dotted/key"][()] == 3
+
+
+def test_save_refuses_unstorable_keys_and_values(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    path = os.path.join(shared_dir, "bad.h5")
+    cases: list[tuple[Any, str]] = [
+        ({"a/b": 1}, "cannot be a dataset name"), ({"": 1}, "cannot be a dataset name"),
+        ({"a.b": 1, "a": {"b": 2}}, "names two values"), ({"a": 1, "a.b": 2}, "names two values"),
+        ({"m": {1: 1, "x": 2}}, "mixes key types"), ({"m": {True: 1}}, "keys are str or int"),
+        ({"n": 2 ** 63}, "int64 range"), ({"n": [1, 2 ** 64]}, "int64 range"), ({"o": object()}, "cannot save a object"),
+        ({"s": np.array(["x"])}, "dtype <U1"), ({"bad": "\ud800"}, "UTF-8"),
+    ]
+    for obj, message in cases:
+        with pytest.raises(dt.CheckpointError, match=message):
+            dt.save(obj, path)
+    if SIZE > 1:
+        with pytest.raises(dt.CheckpointError, match="different state_dicts"):
+            dt.save({"step": RANK}, path)
+        with pytest.raises(dt.CheckpointError, match="different state_dicts"):
+            dt.save({"array": np.full(3, RANK)}, path)
+    WORLD.Barrier()
+    if RANK == 0:
+        assert os.listdir(shared_dir) == [], os.listdir(shared_dir)
+
+
+class _TwoLayer(dt.nn.Module):
+    """Linear -> ReLU -> Linear; ``sharded``: the first Colwise and the second Rowwise (its
+    Partial output all-reduced), else everything replicated."""
+
+    def __init__(self, mesh: dt.DeviceMesh, sharded: bool) -> None:
+        super().__init__()
+        self.fc1 = dt.nn.Linear(3, N_ROWS, device_mesh=mesh, dtype=np.float64)
+        self.fc2 = dt.nn.Linear(N_ROWS, 2, device_mesh=mesh, dtype=np.float64)
+        if sharded:
+            for layer, w, b in ((self.fc1, dt.Shard(0), dt.Shard(0)), (self.fc2, dt.Shard(1), dt.Replicate())):
+                layer.weight = dt.nn.Parameter(layer.weight.redistribute(placements=[w] * mesh.ndim))
+                layer.bias = dt.nn.Parameter(layer.bias.redistribute(placements=[b] * mesh.ndim))
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        h = dt.nn.functional.relu(dt.nn.functional.linear(x, self.fc1.weight, self.fc1.bias)) @ self.fc2.weight.T
+        if any(p.is_partial() for p in h.placements):
+            h = h.redistribute(placements=[dt.Replicate()] * len(h.placements))
+        return h + self.fc2.bias
+
+
+def _training_state(mesh: dt.DeviceMesh, seed: int, lr: float = 0.01, sharded: bool = True) -> tuple[Any, Any]:
+    """A model and AdamW after two steps (so the optimizer has moments and step counts)."""
+    dt.manual_seed(seed)
+    model = _TwoLayer(mesh, sharded)
+    opt = dt.optim.AdamW(model.parameters(), lr=lr, betas=(0.8, 0.9))
+    x = dt.distribute_tensor(np.random.default_rng(3).standard_normal((4, 3)), mesh, [dt.Replicate()] * mesh.ndim)
+    for _ in range(2):
+        opt.zero_grad()
+        out = model(x)
+        dt.nn.functional.mse_loss(out, dt.distribute_tensor(np.ones(out.shape), mesh, out.placements)).backward()
+        dt.nn.utils.reduce_gradients(list(model.parameters()))
+        opt.step()
+    return model, opt
+
+
+def _snapshot(model: Any, opt: Any) -> list[Any]:
+    tensors = [p.to_local().copy() for p in model.parameters()]
+    tensors += [s[k].to_local().copy() for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return [tensors, repr(opt.param_groups), [s["step"] for s in opt.state.values()]]
+
+
+def _unchanged(before: list[Any], after: list[Any]) -> bool:
+    return (all(np.array_equal(a, b) for a, b in zip(before[0], after[0])) and before[1:] == after[1:]
+            and len(before[0]) == len(after[0]))
+
+
+MALFORMED = {  # kind -> (what the crafted file has, what the error must say)
+    "unknown_pytype": "dataset /step: unknown pytype attribute str 'complex'",
+    "pytype_not_str": "dataset /step: unknown pytype attribute int 5",
+    "int_stored_as_float": r"pytype 'int' is stored as a 0-d <i8 dataset, this one is 0-d <f8",
+    "bool_not_0_1": "malformed 'bool' value",
+    "str_not_utf8": "malformed 'str' value .not UTF-8",
+    "none_not_empty": "malformed 'None' value",
+    "scalar_bit_flip": "checksum mismatch in dataset /step",
+    "group_pytype": "group /mixed: unknown group pytype attribute str 'set'",
+    "list_member_missing": r"list group 'mixed' must hold members 0..0, has \['1'\]",
+    "dict_int_member": "dict.int. group 'optim.state' has non-integer member names",
+    "moment_missing": "lacks .'exp_avg'.",
+    "moment_is_scalar": "is not a tensor dataset",
+    "step_is_tensor": "unexpected tensor 'step'",
+    "optimizer_groups": "does not fit the optimizer",
+    "hyperparameter_type": "optimizer state at 'optim' is malformed",
+    "moment_bit_flip": "checksum mismatch in dataset /optim/state/1/exp_avg_sq",
+    "moment_shape": r"optim.state.0.exp_avg: value has shape",
+}
+
+
+def _craft_scalar(kind: str, path: str) -> None:
+    with h5py.File(path, "r+") as f:
+        def put(name: str, data: np.ndarray, pytype: Any) -> None:
+            attrs = dict(f[name].attrs) if name in f else {}
+            if name in f:
+                del f[name]
+            f[name] = data
+            f[name].attrs.update(attrs, dtype=data.dtype.str,
+                                 checksum=np.uint64(checksum(data, (0,) * data.ndim, data.shape)))
+            f[name].attrs["pytype"] = pytype
+        if kind == "unknown_pytype":
+            f["step"].attrs["pytype"] = "complex"
+        elif kind == "pytype_not_str":
+            f["step"].attrs["pytype"] = 5
+        elif kind == "int_stored_as_float":
+            put("step", np.array(7.0), "int")
+        elif kind == "bool_not_0_1":
+            put("flag", np.array(7, dtype=np.uint8), "bool")
+        elif kind == "str_not_utf8":
+            put("name", np.frombuffer(b"\xff\xfe", dtype=np.uint8), "str")
+        elif kind == "none_not_empty":
+            put("none", np.zeros(2, dtype=np.uint8), "None")
+        elif kind == "group_pytype":
+            f["mixed"].attrs["pytype"] = "set"
+        elif kind == "list_member_missing":
+            del f["mixed/0"]
+        elif kind == "dict_int_member":
+            f.move("optim/state/0", "optim/state/x")
+        elif kind == "moment_missing":
+            del f["optim/state/0/exp_avg"]
+        elif kind == "moment_is_scalar":
+            put("optim/state/0/exp_avg", np.array(1.0), "float")
+        elif kind == "step_is_tensor":
+            attrs = {k: v for k, v in f["optim/state/0/step"].attrs.items() if k != "pytype"}
+            del f["optim/state/0/step"]
+            f["optim/state/0/step"] = np.array(2)
+            f["optim/state/0/step"].attrs.update(attrs, dtype=np.dtype(int).str)
+        elif kind == "optimizer_groups":
+            put("optim/param_groups/0/params", np.arange(3), "list[int]")
+        elif kind == "hyperparameter_type":
+            put("optim/param_groups/0/lr", np.frombuffer(b"fast", dtype=np.uint8), "str")
+    if kind == "scalar_bit_flip":
+        _patch_bytes(path, "step", lambda data: data.__setitem__(0, data[0] ^ 1))
+    elif kind == "moment_bit_flip":
+        _patch_bytes(path, "optim/state/1/exp_avg_sq", lambda data: data.__setitem__(3, data[3] ^ 16))
+    elif kind == "moment_shape":
+        with h5py.File(path, "r+") as f:
+            _replace(f, "optim/state/0/exp_avg", lambda g, n: g.create_dataset(n, data=np.zeros((1, 3))))
+            f["optim/state/0/exp_avg"].attrs["checksum"] = np.uint64(0)
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_malformed_training_state_is_refused_and_changes_nothing(kind: str, mesh1d: dt.DeviceMesh,
+                                                                 shared_dir: str) -> None:
+    """Crafted scalar metadata and optimizer state: a CheckpointError naming it, on every rank,
+    and neither the model, the optimizer nor the scalar slots change."""
+    path = os.path.join(shared_dir, "train.h5")
+    model, opt = _training_state(mesh1d, 0)
+    dt.save({"model": model, "optim": opt, "step": 7, "flag": True, "name": "x", "none": None,
+             "mixed": [1, "a"]}, path)
+    WORLD.Barrier()
+    if RANK == 0:
+        _craft_scalar(kind, path)
+    WORLD.Barrier()
+    fresh_model, fresh_opt = _training_state(mesh1d, 1, lr=0.5)
+    before = _snapshot(fresh_model, fresh_opt)
+    slots: dict[str, Any] = {"step": 0, "flag": None, "name": None, "none": 1, "mixed": None}
+    target = {"model": fresh_model, "optim": fresh_opt, **slots}
+    error = dt.ShapeMismatchError if kind == "moment_shape" else dt.CheckpointError
+    with pytest.raises(error, match=MALFORMED[kind]):
+        dt.load(path, target)
+    assert _unchanged(before, _snapshot(fresh_model, fresh_opt)), "a refused load changed the model or optimizer"
+    assert {k: target[k] for k in slots} == slots, "a refused load filled the slots"
+
+
+def test_optimizer_state_reshards_onto_current_placements(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                                         shared_dir: str) -> None:
+    """Saved under Colwise/Rowwise on a 1-D mesh, loaded into a replicated model on a 2-D mesh:
+    every moment equals the saved one as a complete array and has its parameter's placements;
+    step counts and hyperparameters come back; the load returns its target."""
+    path = os.path.join(shared_dir, "optim.h5")
+    model, opt = _training_state(mesh1d, 0)
+    dt.save({"model": model, "optim": opt}, path)
+    saved = [{k: v.to_torch().copy() if isinstance(v, dt.DTensor) else v for k, v in s.items()}
+             for s in opt.state.values()]
+    other, other_opt = _training_state(mesh2d, 5, lr=0.5, sharded=False)
+    target = {"model": other, "optim": other_opt}
+    assert dt.load(path, target) is target
+    assert other_opt.param_groups[0]["betas"] == (0.8, 0.9) and other_opt.param_groups[0]["lr"] == 0.01
+    for p, want in zip(other.parameters(), saved):
+        got = other_opt.state[p]
+        assert got["step"] == want["step"] == 2 and type(got["step"]) is int
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert got[name].placements == p.placements and got[name].device_mesh == mesh2d
+            assert np.array_equal(got[name].to_torch(), want[name])
+    for a, b in zip(model.parameters(), other.parameters()):
+        assert np.array_equal(a.to_torch(), b.to_torch())

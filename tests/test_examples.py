@@ -59,13 +59,31 @@ def test_train_mlp_same_curve_on_every_plan_and_rank_count() -> None:
         assert max(abs(a - b) for a, b in zip(curve, first)) < 1e-9 and len(curve) == 5, (key, curve, first)
 
 
-def test_train_transformer_block_whole_heads_same_curve() -> None:
-    """4 heads over 3 ranks stay whole (2/1/1); the loss falls and its curve equals the one-rank run."""
-    curves = []
-    for ranks in ("1", "3"):
-        out = run(int(ranks), sys.executable, "examples/train_transformer_block.py", "--steps", "10")
-        assert "loss decreased: True" in out, out
-        curves.append([float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")])
+def _curve(out: str, prefix: str = "step ") -> dict[int, float]:
+    return {int(line.split()[-3]): float(line.split()[-1]) for line in out.splitlines() if line.startswith(prefix)}
+
+
+def test_train_transformer_block_whole_heads_same_curve_and_resume() -> None:
+    """4 heads over 3 ranks stay whole (2/1/1); the loss falls and its curve equals the one-rank
+    run. Saved after step 4 on 3 ranks (tp), resumed on the replicated plan in the same launch
+    and at 1 rank in a second launch, the curve continues identically."""
+    directory = tempfile.mkdtemp()
+    checkpoint = os.path.join(directory, "block.h5")
+    try:
+        one = run(1, sys.executable, "examples/train_transformer_block.py", "--steps", "10")
+        out = run(3, sys.executable, "examples/train_transformer_block.py", "--steps", "10",
+                  "--checkpoint", checkpoint, "--save-at", "4", "--resume-plan", "replicated")
+        again = run(1, sys.executable, "examples/train_transformer_block.py", "--steps", "10",
+                    "--checkpoint", checkpoint, "--resume")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert "loss decreased: True" in one and "loss decreased: True" in out, one + out
     assert "heads per rank: [2, 1, 1]" in out and "optimizer step: 0 (none)" in out, out
     assert "forward: 5 (all_reduce" in out and "backward: 3 (all_reduce" in out, out
-    assert len(curves[0]) == 10 and max(abs(a - b) for a, b in zip(*curves)) < 1e-9, curves
+    curves = [_curve(one), _curve(out)]
+    assert list(curves[0]) == list(range(10)) and max(abs(curves[0][s] - curves[1][s]) for s in range(10)) < 1e-9
+    resumed, later = _curve(out, "resumed step "), _curve(again)
+    assert list(resumed) == list(range(4, 10)) and list(later) == list(range(4, 10)), (resumed, later)
+    assert max(abs(resumed[s] - curves[1][s]) for s in resumed) < 1e-12, (resumed, curves[1])
+    assert max(abs(later[s] - curves[1][s]) for s in later) < 1e-9, (later, curves[1])
+    assert "resumed on plan replicated from step 4" in out and f"resumed from {checkpoint} at step 4" in again

@@ -2,21 +2,29 @@
 world size (replicated, data parallel, tensor parallel, both on a 2-D mesh), with SGD +
 momentum and AdamW, on a regression (mse_loss) and a classification (vocab-parallel
 cross_entropy) task, equals a single-process NumPy reference of the same math (forward and
-backward by hand, the optimizers' formulas) step by step, in float64, to 1e-9."""
+backward by hand, the optimizers' formulas) step by step, in float64, to 1e-9. Training state
+saved under one plan and resumed under another continues the uninterrupted run exactly."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
+from typing import Any
 
+import h5py
 import numpy as np
 import pytest
-from conftest import SIZE
+from conftest import RANK, SIZE
+from mpi4py import MPI
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import train_mlp
 
 import dtorch_mpi as dt
+from dtorch_mpi.nn import functional as F
 
 PLANS = [p for p in sorted(train_mlp.PLANS) if train_mlp.mesh_shape(p, SIZE) is not None]
 STEPS = 4
@@ -62,3 +70,78 @@ def test_plans_place_parameters_and_reduce_gradients_packed() -> None:
         assert all(p.is_leaf for p in model.parameters())
     finally:
         mesh.free()
+
+
+# ---- training state in checkpoints: save under one plan, resume under another ----
+
+RESUMES = [(a, b) for a, b in (("tp", "dp"), ("dp", "tp"), ("replicated", "dp_tp"), ("dp_tp", "replicated"))
+           if a in PLANS and b in PLANS]
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[str]:
+    path = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-resume-") if RANK == 0 else None, root=0)
+    yield path
+    MPI.COMM_WORLD.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def run_steps(plan: str, optimizer: str, task: str, steps: int, *, seed: int = 0, lr_scale: float = 1.0,
+              save: str | None = None, resume: str | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
+    """train_mlp's model, plan, data and step, resumable: ``resume`` loads model + optimizer +
+    step count from a checkpoint into a freshly built (differently seeded) model; ``save``
+    writes them after the steps. Returns the losses and the final parameters (complete)."""
+    shape = train_mlp.mesh_shape(plan, SIZE)
+    assert shape is not None
+    mesh = dt.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
+    try:
+        dt.manual_seed(seed)
+        model = train_mlp.MLP(train_mlp.OUT[task], mesh)
+        train_mlp.apply_plan(model, plan)
+        params = list(model.named_parameters())
+        cls, kwargs = train_mlp.OPTIMIZERS[optimizer]
+        opt = cls(params, **dict(kwargs, lr=kwargs["lr"] * lr_scale))
+        state: dict[str, Any] = {"model": model, "optim": opt, "step": None}
+        if resume:
+            assert dt.load(resume, state) is state
+            assert opt.param_groups[0]["lr"] == kwargs["lr"] and type(state["step"]) is int
+            assert all(s["exp_avg" if optimizer == "adamw" else "momentum_buffer"].placements == p.placements
+                       for p, s in opt.state.items()), "moments must follow their parameters' current placements"
+        x_full, y_full = train_mlp.dataset(task)
+        x = dt.distribute_tensor(x_full, mesh, train_mlp.PLANS[plan]["batch"])
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            out = model(x)
+            loss = (F.mse_loss(out, dt.distribute_tensor(y_full, mesh, out.placements)) if task == "regression"
+                    else F.cross_entropy(out, y_full))
+            loss.backward()
+            dt.nn.utils.reduce_gradients([p for _, p in params])
+            opt.step()
+            losses.append(float(loss.to_torch()))
+        if save:
+            dt.save({"model": model, "optim": opt, "step": (state["step"] or 0) + steps}, save)
+        return losses, {k: np.array(p.to_torch()) for k, p in params}
+    finally:
+        mesh.free()
+
+
+@pytest.mark.parametrize("optimizer", sorted(train_mlp.OPTIMIZERS))
+@pytest.mark.parametrize(("saved_on", "resumed_on"), RESUMES)
+def test_resume_on_another_plan_continues_the_uninterrupted_run(saved_on: str, resumed_on: str, optimizer: str,
+                                                               shared_dir: str) -> None:
+    """N steps under one plan, saved; a fresh model and optimizer (other initial weights, other
+    lr) under another plan and mesh shape load it and train M more steps: the losses and final
+    parameters equal the uninterrupted N + M steps (float64, 1e-12)."""
+    n, m, task = 3, 3, "classification"
+    want_losses, _, want_final = train_mlp.train(saved_on, optimizer, task, steps=n + m)
+    path = os.path.join(shared_dir, "resume.h5")
+    first, _ = run_steps(saved_on, optimizer, task, n, save=path)
+    rest, final = run_steps(resumed_on, optimizer, task, m, seed=1, lr_scale=3.0, resume=path)
+    np.testing.assert_allclose(first + rest, want_losses, rtol=0, atol=1e-12)
+    for name, value in want_final.items():
+        np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-12, err_msg=name)
+    with h5py.File(path, "r") as f:  # plain h5py reads the training state too
+        assert f["step"][()] == n and f["step"].attrs["pytype"] == "int"
+        assert list(f["optim/param_groups/0/params"][()]) == list(range(6))

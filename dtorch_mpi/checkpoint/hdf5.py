@@ -31,8 +31,9 @@ import sys
 import uuid
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from math import prod
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -42,7 +43,7 @@ from ..dtensor import DTensor
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
 from ..spmd import agreed
-from . import validate
+from . import pytypes, targets, tree, validate
 from .checksum import checksum, combine
 from .reader import STAGING, read_verified
 from .validate import FORMAT, VERSION
@@ -65,15 +66,11 @@ def has_parallel_hdf5() -> bool:
 
 
 def _group_path(name: str) -> str:
-    if not name or any(not part for part in name.split(".")) or "/" in name:
-        raise CheckpointError(f"state_dict key {name!r} cannot be a dataset name (dotted words only)")
     return "/" + name.replace(".", "/")
 
 
 def _writable(value: Any) -> DTensor:
     """Partial tensors are reduce-scattered (each rank then writes a slice of the value)."""
-    if not isinstance(value, DTensor):
-        raise CheckpointError(f"save() takes DTensors (a module's state_dict()); got {type(value).__name__}")
     if not any(isinstance(p, Partial) for p in value.placements):
         return value
     target = [Shard(0) if isinstance(p, Partial) and value.ndim else Replicate() if isinstance(p, Partial) else p
@@ -98,6 +95,55 @@ def _writer_piece(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...], Any] | 
 def _term(piece: tuple[Any, Any, Any] | None, t: DTensor) -> int:
     """This rank's term of the tensor's checksum (0 when it writes nothing)."""
     return 0 if piece is None else checksum(piece[2], tuple(piece[0]), t.shape)
+
+
+@dataclass
+class _Slab:
+    """One dataset to write: global shape and dtype, attributes, this rank's piece and checksum term."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    piece: tuple[Any, Any, Any] | None
+    term: int
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.dtype.itemsize
+
+
+def _complete(leaf: tree.Leaf) -> np.ndarray:
+    """A complete array leaf (a NumPy array or an encoded scalar), C-contiguous with its shape."""
+    value = leaf.value.get() if hasattr(leaf.value, "get") and not isinstance(leaf.value, np.ndarray) else leaf.value
+    array = np.asarray(value)
+    if array.dtype.kind not in "biufc":
+        raise CheckpointError(f"{leaf.key}: cannot save a NumPy array of dtype {array.dtype} "
+                              f"(numbers and bools only; a str is saved as a Python str)")
+    return np.ascontiguousarray(array).reshape(array.shape)  # ascontiguousarray makes 0-d 1-d
+
+
+def _describe(leaves: list[tree.Leaf], wholes: Mapping[str, tuple[np.ndarray, int]]) -> list[tuple[Any, ...]]:
+    """What every rank must agree on: keys, shapes, dtypes, placements (DTensors) or content (the rest)."""
+    return [(leaf.key, leaf.value.shape, str(leaf.value.dtype), repr(leaf.value.placements))
+            if isinstance(leaf.value, DTensor) else (leaf.key, leaf.pytype, *wholes[leaf.key][0].shape,
+                                                     str(wholes[leaf.key][0].dtype), wholes[leaf.key][1])
+            for leaf in leaves]
+
+
+def _slab(leaf: tree.Leaf, writable: Mapping[str, DTensor], wholes: Mapping[str, tuple[np.ndarray, int]],
+          rank: int) -> _Slab:
+    """A DTensor is written piece by piece (``writable``: Partial ones reduced); a complete array by rank 0."""
+    if isinstance(leaf.value, DTensor):
+        t = writable[leaf.key]
+        piece = _writer_piece(t)
+        return _Slab(leaf.key, t.shape, t.dtype, piece, _term(piece, t),
+                     {"placements": repr(list(leaf.value.placements)),
+                      "mesh_shape": np.array(t.device_mesh.shape, dtype=np.int64)})
+    array, digest = wholes[leaf.key]
+    mine = rank == 0
+    return _Slab(leaf.key, array.shape, array.dtype, ((0,) * array.ndim, array.shape, array) if mine else None,
+                 digest if mine else 0, {pytypes.ATTRIBUTE: leaf.pytype} if leaf.pytype else {})
 
 
 class _Progress:
@@ -140,11 +186,14 @@ def _write_slab(h5py: Any, ds: Any, piece: tuple[Any, Any, Any] | None, collecti
     ds.id.write(mspace, fspace, data, dxpl=dxpl)
 
 
-def save(state_dict: Mapping[str, Any], path: str | os.PathLike) -> None:
-    """Write ``state_dict`` (name -> DTensor) to one HDF5 file at ``path``, atomically.
+def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
+    """Write ``obj`` to one HDF5 file at ``path``, atomically.
 
-    Collective: every rank calls it with the same keys and path. Raises ``CheckpointError`` on
-    every rank if any rank fails; ``path`` is then untouched.
+    ``obj`` is a mapping, nested as you like, of DTensors, NumPy arrays (complete values, the
+    same on every rank) and Python scalars (int, float, bool, str, None, lists and tuples);
+    a Module or Optimizer stands for its ``state_dict()``: ``save({"model": model, "optim":
+    optimizer, "step": 100}, path)``. Collective: every rank calls it with the same structure
+    and path. Raises ``CheckpointError`` on every rank if any rank fails; ``path`` is then untouched.
     """
     h5py = _h5py()
     world = library_world()
@@ -153,18 +202,15 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike) -> None:
     directory = os.path.dirname(path)
     tmp = ""
     with agreed(world):
-        if not isinstance(state_dict, Mapping):
-            raise CheckpointError(f"save() needs a mapping name -> DTensor, got {type(state_dict).__name__}")
-        items = sorted(state_dict.items())
+        if not isinstance(obj, Mapping):
+            raise CheckpointError(f"save() needs a mapping (of DTensors, arrays and scalars), got {type(obj).__name__}")
+        layout = tree.flatten(obj)
+        wholes = {leaf.key: (array, checksum(array, (0,) * array.ndim, array.shape))
+                  for leaf in layout.leaves if not isinstance(leaf.value, DTensor) for array in [_complete(leaf)]}
     with agreed(world):
-        described = [(n, getattr(v, "shape", None), str(getattr(v, "dtype", None)), repr(getattr(v, "placements", None)))
-                     for n, v in items]
         _same_everywhere(world, {"paths": path,
-                                 "state_dicts (keys, shapes, dtypes or placements differ)": repr(described)})
-        for name, value in items:
-            _group_path(name)
-            if not isinstance(value, DTensor):
-                raise CheckpointError(f"{name}: save() takes DTensors, got {type(value).__name__}")
+                                 "state_dicts (keys, shapes, dtypes, placements or values differ)":
+                                     repr((sorted(layout.groups.items()), _describe(layout.leaves, wholes)))})
         if not os.path.isdir(directory):
             raise CheckpointError(f"cannot save to {path}: directory {directory} does not exist")
     token_buf = np.frombuffer(uuid.uuid4().hex.encode(), dtype=np.uint8).copy()
@@ -173,14 +219,15 @@ def save(state_dict: Mapping[str, Any], path: str | os.PathLike) -> None:
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{token}.tmp")
     parallel = has_parallel_hdf5()
     try:
+        with agreed(world):  # the collective part (Partial tensors are reduced) before the local part
+            writable = {leaf.key: _writable(leaf.value) for leaf in layout.leaves if isinstance(leaf.value, DTensor)}
         with agreed(world):
-            tensors = [(name, _writable(v)) for name, v in items]
-            sources = {name: v for name, v in items}
+            slabs = [_slab(leaf, writable, wholes, rank) for leaf in layout.leaves]
         with agreed(world):
             if parallel:
-                _save_parallel(h5py, world, tmp, tensors, sources)
+                _save_parallel(h5py, world, tmp, layout.groups, slabs)
             else:
-                _save_in_turn(h5py, world, tmp, tensors, sources)
+                _save_in_turn(h5py, world, tmp, layout.groups, slabs)
             if rank == 0:
                 _fsync_file(tmp)
         with agreed(world):
@@ -209,50 +256,46 @@ def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, str]) -> None:
         raise CheckpointError(f"ranks passed different {' and '.join(differ)}; every rank must pass the same")
 
 
-def _create_datasets(f: Any, tensors: list[tuple[str, DTensor]], sources: Mapping[str, DTensor]) -> dict[str, Any]:
+def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
     f.attrs["format"] = FORMAT
     f.attrs["version"] = VERSION
+    for key, kind in sorted(groups.items()):
+        group = f.require_group(_group_path(key)) if key else f
+        if kind:
+            group.attrs[pytypes.ATTRIBUTE] = kind
     out = {}
-    for name, t in tensors:
-        ds = f.create_dataset(_group_path(name), shape=t.shape, dtype=t.dtype)
-        ds.attrs["dtype"] = t.dtype.str
-        ds.attrs["placements"] = repr(list(sources[name].placements))
-        ds.attrs["mesh_shape"] = np.array(t.device_mesh.shape, dtype=np.int64)
-        out[name] = ds
+    for slab in slabs:
+        ds = f.create_dataset(_group_path(slab.key), shape=slab.shape, dtype=slab.dtype)
+        ds.attrs["dtype"] = slab.dtype.str
+        ds.attrs.update(slab.attrs)
+        out[slab.key] = ds
     return out
 
 
-def _set_checksums(world: MPI.Intracomm, datasets: Mapping[str, Any], tensors: list[tuple[str, DTensor]],
-                   terms: list[int]) -> None:
+def _set_checksums(world: MPI.Intracomm, datasets: Mapping[str, Any], slabs: list[_Slab]) -> None:
     """Gather every rank's terms and store each dataset's checksum (the same value on every rank)."""
-    every = np.empty((world.Get_size(), len(terms)), dtype=np.uint64)
-    world.Allgather(np.array(terms, dtype=np.uint64), every)
-    for n, (name, _) in enumerate(tensors):
-        datasets[name].attrs["checksum"] = np.uint64(combine(every[:, n]))
+    every = np.empty((world.Get_size(), len(slabs)), dtype=np.uint64)
+    world.Allgather(np.array([slab.term for slab in slabs], dtype=np.uint64), every)
+    for n, slab in enumerate(slabs):
+        datasets[slab.key].attrs["checksum"] = np.uint64(combine(every[:, n]))
 
 
-def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tuple[str, DTensor]],
-                   sources: Mapping[str, DTensor]) -> None:
-    progress = _Progress(sum(t.size * t.dtype.itemsize for _, t in tensors), world.Get_rank())
-    terms = [0] * len(tensors)
+def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab]) -> None:
+    progress = _Progress(sum(slab.nbytes for slab in slabs), world.Get_rank())
     with h5py.File(tmp, "w", driver="mpio", comm=world) as f:
-        datasets = _create_datasets(f, tensors, sources)
-        for n, (name, t) in enumerate(tensors):
-            if t.size == 0:
+        datasets = _create_datasets(f, groups, slabs)
+        for slab in slabs:
+            if not slab.nbytes:
                 continue  # no storage to write (the same decision on every rank)
-            with agreed(world):  # a failure preparing one rank's piece stops every rank here,
-                piece = _writer_piece(t)  # before the collective write could hang the others
-                terms[n] = _term(piece, t)
             with agreed(world):  # an I/O error the write reports on one rank stops every rank
-                _write_slab(h5py, datasets[name], piece, collective=True)
-            progress.add(t.size * t.dtype.itemsize, "saving")
-        _set_checksums(world, datasets, tensors, terms)
+                _write_slab(h5py, datasets[slab.key], slab.piece, collective=True)
+            progress.add(slab.nbytes, "saving")
+        _set_checksums(world, datasets, slabs)
     # no H5Fflush here: with MPI-IO it is an MPI_File_sync, and the file is fsynced after close
     progress.close()
 
 
-def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tuple[str, DTensor]],
-                  sources: Mapping[str, DTensor]) -> None:
+def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab]) -> None:
     global _warned
     rank = world.Get_rank()
     if not _warned and rank == 0 and world.Get_size() > 1:
@@ -262,32 +305,28 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, tensors: list[tuple
     with agreed(world):
         if rank == 0:
             with h5py.File(tmp, "w") as f:
-                _create_datasets(f, tensors, sources)
+                _create_datasets(f, groups, slabs)
     error: Exception | None = None
-    terms = [0] * len(tensors)
+    mine = [slab for slab in slabs if slab.piece is not None and prod(slab.piece[1])]
     for turn in range(world.Get_size()):
-        if turn == rank:
+        if turn == rank and mine:
             try:
-                pieces = [(name, _writer_piece(t)) for name, t in tensors]
-                terms = [_term(p, t) for (_, p), (_, t) in zip(pieces, tensors)]
-                if any(p is not None and prod(p[1]) for _, p in pieces):
-                    with h5py.File(tmp, "r+") as f:
-                        for name, piece in pieces:
-                            if piece is not None and int(np.prod(piece[1])):
-                                _write_slab(h5py, f[_group_path(name)], piece, collective=False)
+                with h5py.File(tmp, "r+") as f:
+                    for slab in mine:
+                        _write_slab(h5py, f[_group_path(slab.key)], slab.piece, collective=False)
             except Exception as exc:
                 error = exc
         world.Barrier()
     with agreed(world):
         if error is not None:
             raise error
-    every = np.empty((world.Get_size(), len(terms)), dtype=np.uint64)
-    world.Allgather(np.array(terms, dtype=np.uint64), every)
+    every = np.empty((world.Get_size(), len(slabs)), dtype=np.uint64)
+    world.Allgather(np.array([slab.term for slab in slabs], dtype=np.uint64), every)
     with agreed(world):
         if rank == 0:
             with h5py.File(tmp, "r+") as f:
-                for n, (name, _) in enumerate(tensors):
-                    f[_group_path(name)].attrs["checksum"] = np.uint64(combine(every[:, n]))
+                for n, slab in enumerate(slabs):
+                    f[_group_path(slab.key)].attrs["checksum"] = np.uint64(combine(every[:, n]))
 
 
 def _fsync_file(path: str) -> None:
@@ -310,28 +349,32 @@ def _fsync_dir(directory: str) -> None:
 
 
 def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: str = "all") -> Any:
-    """Load a checkpoint into ``target`` (a module or a mapping name -> DTensor) in place.
+    """Load a checkpoint into ``target`` in place and return it.
 
-    Any placements and mesh shape load any checkpoint (resharding); each rank reads only its own
-    hyperslab. ``strict=False`` loads the keys both sides have. The file is validated (no links,
-    external or virtual storage, filters or oversized chunks), shapes and dtypes are checked
-    against the target before anything is read, and every dataset is verified against its
-    checksum before anything is copied in. Every rank raises ``CheckpointError`` (or the load's
-    own error type) when any rank fails; the target is then unchanged.
+    ``target``: a Module, an Optimizer, a DTensor, or a mapping (nested like the saved object)
+    of these, e.g. ``{"model": model, "optim": optimizer, "step": 0}``; any other value of a
+    mutable mapping (``"step": 0``) is replaced by the stored value (Python scalars with their
+    exact types; complete NumPy arrays for tensors). Modules and DTensors keep their current
+    placements and mesh (resharding: each rank reads only its own hyperslab); an Optimizer gets
+    the saved hyperparameters and scalar state, and its moments take their parameters' current
+    placements. ``strict=False`` loads what both sides have.
+
+    The file is validated (no links, external or virtual storage, filters, oversized chunks or
+    malformed scalar metadata), everything is checked against the target before anything is
+    read, and every dataset is verified against its checksum before anything is installed.
+    Every rank raises ``CheckpointError`` (or the load's own error type) when any rank fails;
+    the target is then unchanged.
 
     ``staging="all"`` (default) holds every piece read until all are verified (peak: one extra
     copy of this rank's share of the target); ``staging="chunks"`` reads twice instead and needs
     one chunk (at most one tensor's piece) extra. See reader.py.
     """
     h5py = _h5py()
-    from ..nn.module import Module
     from ..nn.state import _check
 
     world = library_world()
     path = os.path.abspath(os.fspath(path))
-    params = target.state_dict() if isinstance(target, Module) else target
-    if not isinstance(params, Mapping):
-        raise TypeError(f"load() target must be a Module or a mapping name -> DTensor, got {type(target).__name__}")
+    found = targets.parts(target)
     handle = None
     try:
         with agreed(world):
@@ -343,24 +386,17 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
             handle = _open(h5py, world, path)
         with agreed(world):
             validate.check_header(handle, path)
-            entries = validate.entries(handle, path)
-            if strict:
-                missing = [k for k in params if k not in entries]
-                unexpected = [k for k in entries if k not in params]
-                if missing or unexpected:
-                    raise CheckpointError(
-                        f"{path} does not match the target: "
-                        + (f"missing keys {missing} " if missing else "")
-                        + (f"unexpected keys {unexpected}" if unexpected else "")
-                        + "; pass strict=False to load a subset"
-                    )
-            keys = _check(params, {k: entries[k].dataset for k in params if k in entries}, strict=False)
+            listing = validate.scan(handle, path)
+            restore = targets.match(found, listing, path, strict)
+            keys = _check(cast(Mapping[str, Any], restore.tensors), {k: listing.tensors[k].dataset for k in restore.tensors}, strict=False)
         try:
-            read_verified(params, entries, keys, path, staging)
+            read_verified(restore.tensors, listing.tensors, keys, path, staging)
         except OSError as exc:
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"{path}: reading failed ({exc}); the file is damaged") from exc
+        for commit in restore.commits:
+            commit()
     finally:
         if handle is not None:
             handle.close()

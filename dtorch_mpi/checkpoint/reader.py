@@ -141,6 +141,18 @@ def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, 
                               f"(or was never fully written); nothing was loaded")
 
 
+def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
+    """A whole dataset (a complete array or a scalar), verified against its checksum on this rank
+    (every rank reads all of it, so no gathering is needed)."""
+    ds = entry.dataset
+    shape = tuple(ds.shape)
+    raw = _read(ds, (0,) * len(shape), shape)
+    if checksum(raw, (0,) * len(shape), shape) != entry.checksum:
+        raise CheckpointError(f"{path}: checksum mismatch in dataset /{key.replace('.', '/')}: the data is damaged "
+                              f"(or was never fully written); nothing was loaded")
+    return raw
+
+
 def _commit(param: Any, piece: Any) -> None:
     local = param.to_local()
     if local.shape == piece.shape and getattr(local.flags, "writeable", True):

@@ -12,18 +12,20 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 - the attributes this module reads are bounded (``MAX_ATTRIBUTE_BYTES``) and well typed:
   file ``format`` (the string ``dtorch_mpi``) and ``version`` (the integer ``VERSION``);
   dataset ``dtype`` (the exact dtype string, equal to the stored type) and ``checksum``
-  (a uint64, see checksum.py).
+  (a uint64, see checksum.py); a ``pytype`` attribute (Python scalars and containers,
+  pytypes.py) must name a known type whose storage the dataset has.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
 import numpy as np
 
 from ..errors import CheckpointError
+from . import pytypes
 
 FORMAT = "dtorch_mpi"
 VERSION = 2  # 2: per-dataset checksum and dtype attributes (version 1 files are refused)
@@ -59,11 +61,22 @@ def check_header(f: Any, path: str) -> None:
                               f"version {VERSION}{older}")
 
 
-def entries(f: Any, path: str) -> dict[str, Entry]:
-    """Every dataset of the file by key, after checking links, storage, filters, sizes and attributes."""
+@dataclass
+class Listing:
+    """Everything a file holds, by dotted key: tensor datasets, scalar datasets with their
+    ``pytype``, and groups with theirs ("" for a mapping with str keys; the root is "")."""
+
+    tensors: dict[str, Entry] = field(default_factory=dict)
+    scalars: dict[str, tuple[Entry, str]] = field(default_factory=dict)
+    groups: dict[str, str] = field(default_factory=dict)
+
+
+def scan(f: Any, path: str) -> Listing:
+    """Every group and dataset of the file, after checking links, storage, filters, sizes and attributes."""
     h5py = _h5py()
-    found: dict[str, Entry] = {}
+    found = Listing()
     seen: set[int] = set()
+    found.groups[""] = _group_type(f, path, "/")
 
     def walk(group: Any, prefix: str) -> None:
         for name in group:
@@ -80,10 +93,17 @@ def entries(f: Any, path: str) -> dict[str, Entry]:
             if address in seen:
                 raise CheckpointError(f"{path}: {where} is a second name of an object already seen")
             seen.add(address)
+            key = where[1:].replace("/", ".")
             if isinstance(obj, h5py.Group):
+                found.groups[key] = _group_type(obj, path, where)
                 walk(obj, where)
             elif isinstance(obj, h5py.Dataset):
-                found[where[1:].replace("/", ".")] = Entry(obj, _check_dataset(obj, where, path))
+                entry = Entry(obj, _check_dataset(obj, where, path))
+                if pytypes.ATTRIBUTE in obj.attrs:
+                    kind = _attribute(obj, pytypes.ATTRIBUTE, path, where)
+                    found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
+                else:
+                    found.tensors[key] = entry
             else:
                 raise CheckpointError(f"{path}: {where} is a {type(obj).__name__}, not a group or dataset")
 
@@ -96,7 +116,9 @@ def entries(f: Any, path: str) -> dict[str, Entry]:
     return found
 
 
-_LAYOUTS = {"contiguous": 1, "compact": 0, "chunked": 2}
+def _group_type(group: Any, path: str, where: str) -> str:
+    kind = _attribute(group, pytypes.ATTRIBUTE, path, where) if pytypes.ATTRIBUTE in group.attrs else ""
+    return pytypes.check_group(kind, f"{path}: group {where}")
 
 
 def _check_dataset(ds: Any, where: str, path: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..dtensor import DTensor
@@ -127,6 +128,15 @@ class Optimizer:
         from ..nn.module import Parameter
         from ..nn.state import load_into
 
+        pending = self.prepare_load(state_dict)
+        load_into(cast(dict[str, Parameter], pending.targets), pending.values)
+        pending.apply()
+
+    def prepare_load(self, state_dict: Mapping[str, Any]) -> PendingLoad:
+        """Check ``state_dict`` and build the new groups and state without changing anything:
+        each state tensor is a new zero DTensor with its parameter's current spec (``targets``,
+        by ``"index.name"``) to be filled from ``values`` (the state_dict's tensors, any object
+        with a ``shape``) before ``apply()``. ``dtorch.load`` fills them from a checkpoint."""
         if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
             raise StateDictError('an optimizer state_dict is a mapping with keys "state" and "param_groups"')
         saved_groups = list(state_dict["param_groups"])
@@ -142,9 +152,7 @@ class Optimizer:
         owner: dict[int, tuple[dict[str, Any], DTensor]] = {}
         for saved, group in zip(saved_groups, new_groups):
             owner.update((i, (group, p)) for i, p in zip(saved["params"], group["params"]))
-        targets: dict[str, Any] = {}
-        values: dict[str, Any] = {}
-        new_state: dict[DTensor, dict[str, Any]] = {}
+        pending = PendingLoad(self, new_groups)
         for key_, saved_state in state_dict["state"].items():
             index = int(key_)  # a checkpoint may give the indices back as strings
             if index not in owner:
@@ -156,8 +164,8 @@ class Optimizer:
             for name, value in saved_state.items():
                 if name in names:
                     key = f"{index}.{name}"
-                    entry[name] = targets[key] = DTensor(xp.zeros(p.spec.local_shape, dtype=p.dtype), p.spec)
-                    values[key] = value
+                    entry[name] = pending.targets[key] = DTensor(xp.zeros(p.spec.local_shape, dtype=p.dtype), p.spec)
+                    pending.values[key] = value
                 elif isinstance(value, DTensor) or hasattr(value, "shape"):
                     raise StateDictError(f"state of parameter {index} has an unexpected tensor {name!r}")
                 else:
@@ -165,10 +173,8 @@ class Optimizer:
             missing = set(names) - set(entry)
             if missing:
                 raise StateDictError(f"state of parameter {index} lacks {sorted(missing)}")
-            new_state[p] = entry
-        load_into(cast(dict[str, Parameter], targets), values)
-        self.param_groups = new_groups
-        self.state = new_state
+            pending.state[p] = entry
+        return pending
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]
@@ -176,6 +182,22 @@ class Optimizer:
             lines.append(f"Parameter Group {i}")
             lines += [f"    {k}: {v}" for k, v in sorted(group.items()) if k != "params"]
         return "\n".join(lines) + "\n)"
+
+
+@dataclass
+class PendingLoad:
+    """A checked optimizer load: new groups and state whose tensors (``targets``) are filled from
+    ``values`` by the caller; ``apply()`` then installs them (it cannot fail)."""
+
+    optimizer: Optimizer
+    groups: list[dict[str, Any]]
+    state: dict[DTensor, dict[str, Any]] = field(default_factory=dict)
+    targets: dict[str, DTensor] = field(default_factory=dict)
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def apply(self) -> None:
+        self.optimizer.param_groups = self.groups
+        self.optimizer.state = self.state
 
 
 def _check_grad(label: str, p: DTensor, g: DTensor) -> None:
