@@ -37,6 +37,11 @@ PHDF5_MPICC    ?= /usr/bin/mpicc.mpich
 PHDF5_MPIEXEC  ?= /usr/bin/mpiexec.mpich
 PHDF5_PKGCONFIG ?= hdf5-mpich
 PHDF5_STAMP    := $(PHDF5_VENV)/.installed
+# mpi4py and h5py built from source are kept as wheels in a folder keyed by the MPI compiler's
+# link line and the HDF5 version, never in pip's own cache (which would hand a wheel built
+# against one MPI to another): a fresh clone on the same machine reuses them.
+PHDF5_KEY      := $(shell ($(PHDF5_MPICC) -show; pkg-config --modversion $(PHDF5_PKGCONFIG)) 2>/dev/null | sha1sum | cut -c1-16)
+PHDF5_WHEELS   ?= $(HOME)/.cache/dtorch_mpi/wheels/phdf5-$(PHDF5_KEY)
 DEBIAN_PACKAGES := mpich libmpich-dev libhdf5-mpich-dev pkg-config
 
 # Open MPI refuses to start as root and to put more ranks than cores on a node; MPICH and
@@ -93,11 +98,22 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 	test -x $(PHDF5_VENV)/bin/python || $(PYTHON) -m venv $(PHDF5_VENV)
 	@echo "==> [$(PHDF5_VENV)] installing build tools and numpy (seconds)"
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --upgrade pip "setuptools>=77" cython pkgconfig numpy wheel
-	@echo "==> [$(PHDF5_VENV)] building mpi4py from source against $(PHDF5_MPICC) (about 2 min)"
-	MPICC=$(PHDF5_MPICC) $(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-cache-dir --no-binary=mpi4py "mpi4py>=4"
-	@echo "==> [$(PHDF5_VENV)] building h5py from source against $(PHDF5_PKGCONFIG) (about 3-10 min)"
-	CC=$(PHDF5_MPICC) HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$(PHDF5_PKGCONFIG) \
-	  $(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-cache-dir --no-binary=h5py --no-build-isolation h5py
+	@if ls $(PHDF5_WHEELS)/mpi4py-*.whl >/dev/null 2>&1; then \
+	  echo "==> [$(PHDF5_VENV)] mpi4py: reusing the wheel built earlier against this MPI ($(PHDF5_WHEELS))"; \
+	else \
+	  echo "==> [$(PHDF5_VENV)] building mpi4py from source against $(PHDF5_MPICC) (about 2 min, once per MPI)"; \
+	  MPICC=$(PHDF5_MPICC) $(PHDF5_VENV)/bin/pip wheel $(PIP_INSTALL) --no-cache-dir --no-deps \
+	    --no-binary=mpi4py -w $(PHDF5_WHEELS) "mpi4py>=4"; \
+	fi
+	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(PHDF5_WHEELS) mpi4py
+	@if ls $(PHDF5_WHEELS)/h5py-*.whl >/dev/null 2>&1; then \
+	  echo "==> [$(PHDF5_VENV)] h5py: reusing the wheel built earlier against this MPI and HDF5"; \
+	else \
+	  echo "==> [$(PHDF5_VENV)] building h5py from source against $(PHDF5_PKGCONFIG) (about 3-10 min, once per MPI)"; \
+	  CC=$(PHDF5_MPICC) HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$(PHDF5_PKGCONFIG) $(PHDF5_VENV)/bin/pip wheel \
+	    $(PIP_INSTALL) --no-cache-dir --no-deps --no-binary=h5py --no-build-isolation -w $(PHDF5_WHEELS) h5py; \
+	fi
+	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(PHDF5_WHEELS) h5py
 	@echo "==> [$(PHDF5_VENV)] installing the test tools and the package (seconds)"
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) pytest pytest-mpi pytest-timeout hypothesis
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --no-deps -e .
