@@ -297,7 +297,7 @@ class Torch:
                 loss = loss_fn()
                 loss.backward()
             opt.step()
-            return float(loss.full_tensor()) if hasattr(loss, "full_tensor") else float(loss)
+            return float(loss.detach().full_tensor())
 
         return step
 
@@ -317,9 +317,12 @@ class Torch:
         return self._step(list(model.parameters()), lambda: ((model(xt) - yt) ** 2).mean())
 
     def block(self, model: tb.Block, tokens: np.ndarray, targets: np.ndarray) -> Step:
-        """The block with the example's placements, written with torch DTensor ops."""
+        """The block with the example's placements, written with torch DTensor ops. Attention
+        runs heads-first (``[H, B, T, Dh]``, Shard(0)), the projections as 2-D matmuls with
+        flattened head weights: torch's batched matmul (and einsum) flattens ``[B, H]`` and
+        refuses when the head dim, second there, is sharded."""
         torch = self.torch
-        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import loss_parallel
 
         mesh, rep = self.mesh, [Replicate()]
@@ -340,11 +343,16 @@ class Torch:
 
         def loss_fn() -> Any:
             p = params
-            x = replicate(torch.nn.functional.embedding(tok, p["embed"]))
-            hh = rms(x, p["norm1"]).unsqueeze(1)
-            q, k, v = hh @ p["wq"], hh @ p["wk"], hh @ p["wv"]
+            # from_local: torch cannot take the residual stream's Partial gradient back to the
+            # lookup's MaskPartial; this all-reduces it to Replicate first (Megatron's "f").
+            x = DTensor.from_local(replicate(torch.nn.functional.embedding(tok, p["embed"])).to_local(), mesh, rep)
+            b, t, d = x.shape
+            hh = rms(x, p["norm1"]).reshape(b * t, d)
+            q, k, v = ((hh @ p[w].permute(1, 0, 2).reshape(d, -1)).reshape(b, t, -1, tb.DH).permute(2, 0, 1, 3)
+                       for w in ("wq", "wk", "wv"))  # [H, B, T, Dh] Shard(0)
             att = torch.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(tb.DH)) + causal, -1)
-            x = x + replicate(((att @ v) @ p["wo"]).sum(1))
+            o = (att @ v).permute(1, 2, 0, 3).reshape(b * t, -1)  # [B*T, H*Dh] Shard(1)
+            x = x + replicate((o @ p["wo"].reshape(-1, d)).reshape(b, t, d))
             gact = torch.nn.functional.gelu(rms(x, p["norm2"]) @ p["w1"].T, approximate="tanh")
             x = x + replicate(gact @ p["w2"].T)
             logits = rms(x, p["norm3"]) @ p["out"].T
@@ -421,7 +429,7 @@ def measure(kind: str, h: int, mesh: dt.DeviceMesh, torch_side: Torch | None, re
     return row
 
 
-def check(mesh: dt.DeviceMesh, torch_side: Torch | None, h: int = 64, steps: int = 3) -> list[str]:
+def check(mesh: dt.DeviceMesh, torch_side: Torch | None, h: int = 128, steps: int = 3) -> list[str]:
     """Three steps of every side on the complete model: the largest loss difference from dtorch."""
     lines = []
     for kind in ("mlp", "transformer"):
