@@ -127,7 +127,7 @@ def mlp_floor(p: dict[str, np.ndarray], x: np.ndarray, y: np.ndarray) -> tuple[f
 
 
 def block_floor(p: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarray,
-                vocab0: int) -> tuple[float, dict[str, np.ndarray], int]:
+                vocab0: int, causal: np.ndarray) -> tuple[float, dict[str, np.ndarray], int]:
     """One transformer-block step on this rank's pieces: vocabulary rows ``vocab0...``, its
     heads and ffn columns (the block's three all-reduces and cross_entropy's two are left out)."""
     n_rows, (vl, d), (hl, _, dh) = tokens.size, p["embed"].shape, p["wq"].shape
@@ -137,7 +137,7 @@ def block_floor(p: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarra
     h1, r1 = rms_fwd(x0, p["norm1"])
     h1u = h1[:, None]
     q, k, v = h1u @ p["wq"], h1u @ p["wk"], h1u @ p["wv"]  # [B, H, T, Dh]
-    s = q @ k.swapaxes(-1, -2) * (1 / math.sqrt(dh)) + CAUSAL[: s_len(tokens), : s_len(tokens)]
+    s = q @ k.swapaxes(-1, -2) * (1 / math.sqrt(dh)) + causal
     e = np.exp(s - s.max(-1, keepdims=True))
     prob = e / e.sum(-1, keepdims=True)
     o = prob @ v
@@ -185,14 +185,6 @@ def block_floor(p: dict[str, np.ndarray], tokens: np.ndarray, targets: np.ndarra
     np.add.at(gr["embed"], tokens[own] - vocab0, gx0[own])
     saved = (x0, h1, r1, q, k, v, prob, o, x1, h2, r2, u, tu, gu_act, x2, h3, r3, ez, se)
     return loss, gr, sum(a.nbytes for a in saved)
-
-
-CAUSAL = np.zeros((0, 0))
-"""The block's causal mask (set per case)."""
-
-
-def s_len(tokens: np.ndarray) -> int:
-    return tokens.shape[-1]
 
 
 def floor_step(fn: Callable[..., tuple[float, dict[str, np.ndarray], int]], params: dict[str, np.ndarray],
@@ -377,27 +369,26 @@ def build(kind: str, h: int, mesh: dt.DeviceMesh, torch_side: Torch | None,
     """Every side's step for one case (all from the same initial weights), the floor's
     saved-activation bytes and this rank's parameter bytes. ``whole``: the floor gets the
     complete model instead of this rank's pieces (exact math, for --check)."""
-    global CAUSAL
     steps: dict[str, Step] = {}
+    floor_fn: Callable[..., tuple[float, dict[str, np.ndarray], int]]
+    args: tuple[Any, ...]
     if kind == "mlp":
         weights, (x, y) = mlp_weights(h, np.float32), mlp_data(h, 64, np.float32)
         steps["dtorch"], model = dtorch_mlp(mesh, weights, x, y)
         if torch_side is not None:
             steps["torch"] = torch_side.mlp(weights, x, y)
         floor_fn, args = mlp_floor, (x, y)
-        vocab0 = 0
     else:
         configure_block(h, 1024, 4, 16)
         model, tokens, targets = block_setup(mesh)
-        CAUSAL = np.array(model.causal.to_local())
         if torch_side is not None:
             steps["torch"] = torch_side.block(model, tokens, targets)
         steps["dtorch"] = dtorch_block(model, tokens, targets)
-        floor_fn, args = block_floor, (tokens, targets)
         vocab0 = 0 if whole else model.embed.spec.local_shape_and_offset[1][0]
+        floor_fn, args = block_floor, (tokens, targets, vocab0, np.array(model.causal.to_local()))
     named = dict(model.named_parameters())
     pieces = {k: np.array(p.to_torch() if whole else p.to_local()) for k, p in named.items()}
-    steps["numpy"], saved = floor_step(floor_fn, pieces, *args, *((vocab0,) if kind != "mlp" else ()))
+    steps["numpy"], saved = floor_step(floor_fn, pieces, *args)
     local_bytes = sum(p.to_local().nbytes for p in named.values())
     return {s: steps[s] for s in SIDES if s in steps}, saved, local_bytes
 
@@ -436,7 +427,7 @@ def check(mesh: dt.DeviceMesh, torch_side: Torch | None, h: int = 128, steps: in
         sides, _, _ = build(kind, h, mesh, torch_side, whole=True)
         losses = {name: [step() for _ in range(steps)] for name, step in sides.items()}
         worst = {n: max(abs(a - b) for a, b in zip(losses[n], losses["dtorch"])) for n in losses if n != "dtorch"}
-        lines.append(f"check {kind} h={h}: dtorch losses {['%.6f' % v for v in losses['dtorch']]}; max |loss - dtorch| "
+        lines.append(f"check {kind} h={h}: dtorch losses {' '.join(f'{v:.6f}' for v in losses['dtorch'])}; max |loss - dtorch| "
                      + ", ".join(f"{n} {w:.1e}" for n, w in worst.items()))
     return lines
 
