@@ -191,7 +191,8 @@ def test_where_and_clip_and_astype_backward(mesh1d: dt.DeviceMesh, rule_hits: se
 @op_tests_only_on_auto
 def test_matmul_backward_every_rule(mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
     sig = dt.signature("matmul")
-    for sa, sb in MATMUL_SHAPES:
+    shared_weight = [((SIZE + 1, 4), (2, 4, 3)), ((3, 1, SIZE + 1, 4), (4, 2))]  # one product over the batch
+    for sa, sb in MATMUL_SHAPES + shared_weight:
         A, B = values(sa, 3), values(sb, 4)
         for rule in sig.rules:
             for d in range(3):
@@ -486,3 +487,14 @@ def test_reshape_split_and_merge_of_a_sharded_dim_backward(mesh1d: dt.DeviceMesh
                        check, f"reshape {shape}{plc} -> {new}")
     check.true(ran >= 6, f"only {ran} reshapes ran")
     check.done()
+
+
+def test_leaf_gradients_are_c_contiguous_and_unneeded_gradients_are_skipped(mesh1d: dt.DeviceMesh) -> None:
+    """A weight used as W.T gets its gradient in its own (C) layout, so optimizer updates run
+    on contiguous memory; an input that needs no gradient gets none computed."""
+    x = dt.distribute_tensor(values((5, 4), 1), mesh1d, [R])
+    w = dt.distribute_tensor(values((SIZE + 2, 4), 2), mesh1d, [dt.Shard(0)], requires_grad=True)
+    (x @ w.T).sum().backward()
+    assert w.grad is not None and w.grad.to_local().flags.c_contiguous
+    np.testing.assert_allclose(w.grad.to_torch(), np.broadcast_to(values((5, 4), 1).sum(0), (SIZE + 2, 4)))
+    assert x.grad is None

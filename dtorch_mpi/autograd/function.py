@@ -99,7 +99,7 @@ def record_op(op: str, bw: Backward, plan: "OpPlan", operands: Sequence[Any], in
     specs = tuple(t.spec if w else None for t, w in zip(operands, wants))
     cuts = tuple(p.out_spec if p is not None else None for p in plan.prepare)
     shapes = tuple(getattr(x, "shape", ()) for x in inputs)
-    kernel_params = {**params, "in_shapes": shapes,
+    kernel_params = {**params, "in_shapes": shapes, "needs": wants,
                      "in_specs": tuple(getattr(t, "spec", None) for t in operands)}
     xp = plan.xp
     saved_inputs = tuple(inputs) if bw.saves_inputs else ()

@@ -63,6 +63,9 @@ class AccumulateGrad(Node):
 
     def apply(self, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
         leaf = self.leaf
+        local = grad.to_local()
+        if not local.flags.c_contiguous:  # e.g. a transpose's gradient: keep the parameter's
+            grad = type(grad)(local.copy(order="C"), grad.spec)  # layout for the optimizer
         leaf.grad = grad if leaf.grad is None else accumulate(leaf.grad, grad)
         return ()
 

@@ -60,7 +60,7 @@ def _sigmoid(xp: Any, x: Any) -> Any:
 def _gelu_grad(g: Any, x: Any, p: dict[str, Any], xp: Any) -> Any:
     if p.get("approximate", "none") == "tanh":
         c = 0.7978845608028654
-        inner = c * (x + 0.044715 * x ** 3)
+        inner = c * (x + 0.044715 * x * x * x)  # x ** 3 takes NumPy's slow pow path
         t = xp.tanh(inner)
         return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x))
     cdf = 0.5 * (1 + _erf(xp, x / math.sqrt(2)))
@@ -142,8 +142,10 @@ BINARY: dict[str, Backward] = {
     "sub": _binary("(g, -g)", lambda g, a, b, y, xp: (g, -g), inputs=False),
     "mul": _binary("(g b, g a)", lambda g, a, b, y, xp: (g * b, g * a)),
     "truediv": _binary("(g / b, -g a / b^2)", lambda g, a, b, y, xp: (g / b, -g * a / (b * b))),
-    "pow": _binary("(g b a^(b-1), g y ln a)", lambda g, a, b, y, xp: (
-        g * b * a ** (b - 1), g * y * xp.log(xp.where(a > 0, a, 1))), output=True),
+    "pow": Backward(lambda g, xs, y, p, xp: (
+        g * xs[1] * xs[0] ** (xs[1] - 1),
+        g * y * xp.log(xp.where(xs[0] > 0, xs[0], 1)) if p["needs"][1] else None), True, True,
+        "(g b a^(b-1), g y ln a)"),
     "maximum": _binary("g to the larger (split on ties)", lambda g, a, b, y, xp: _ties(g, a, b, xp, True)),
     "minimum": _binary("g to the smaller (split on ties)", lambda g, a, b, y, xp: _ties(g, a, b, xp, False)),
     "mod": _binary("(g, -g floor(a / b))", lambda g, a, b, y, xp: (g, -g * xp.floor_divide(a, b))),
@@ -160,6 +162,7 @@ ASTYPE = Backward(lambda g, xs, out, p, xp: (g,), False, False, "g cast back to 
 
 def _matmul(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any, Any]:
     a, b = xs
+    need_a, need_b = p["needs"]
     a2 = a[None, :] if a.ndim == 1 else a
     b2 = b[:, None] if b.ndim == 1 else b
     g2 = g
@@ -167,13 +170,37 @@ def _matmul(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -
         g2 = g2[..., None]
     if a.ndim == 1:
         g2 = g2[..., None, :]
-    ga = xp.matmul(g2, xp.swapaxes(b2, -1, -2))
-    gb = xp.matmul(xp.swapaxes(a2, -1, -2), g2)
-    if a.ndim == 1:
-        ga = ga[..., 0, :]
-    if b.ndim == 1:
-        gb = gb[..., :, 0]
+    ga = gb = None
+    if need_a:
+        if _shared(a2, b2, g2):  # a weight used by a batch: fold the batch into one product
+            ga = xp.tensordot(_batch_folded(g2), _batch_folded(b2), axes=([0, 2], [0, 2]))
+        else:
+            ga = xp.matmul(g2, xp.swapaxes(b2, -1, -2))
+        ga = ga[..., 0, :] if a.ndim == 1 else ga
+    if need_b:
+        if _shared(b2, a2, g2):
+            gb = xp.matmul(_rows_folded(a2).T, _rows_folded(g2))
+        else:
+            gb = xp.matmul(xp.swapaxes(a2, -1, -2), g2)
+        gb = gb[..., :, 0] if b.ndim == 1 else gb
     return ga, gb
+
+
+def _batch_folded(x: Any) -> Any:
+    """``[..., m, n]`` as ``[batch, m, n]`` (explicit sizes: empty pieces reshape too)."""
+    return x.reshape(math.prod(x.shape[:-2]), *x.shape[-2:])
+
+
+def _rows_folded(x: Any) -> Any:
+    """``[..., m, n]`` as ``[batch * m, n]``."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _shared(target: Any, other: Any, g: Any) -> bool:
+    """The 2-D operand ``target`` was broadcast along all of ``other``'s batch dims: its
+    gradient sums over the batch, which one product over the folded batch does without a
+    [batch, *target] temporary."""
+    return target.ndim == 2 and g.ndim > 2 and other.shape[:-2] == g.shape[:-2]
 
 
 MATMUL = Backward(_matmul, True, False, "(g @ b^T, a^T @ g), batch dims summed where broadcast")
