@@ -178,12 +178,22 @@ def _matmul(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -
             ga = xp.matmul(g2, xp.swapaxes(b2, -1, -2))
         ga = ga[..., 0, :] if a.ndim == 1 else ga
     if need_b:
-        if _shared(b2, a2, g2):
-            gb = xp.matmul(_rows_folded(a2).T, _rows_folded(g2))
+        if _shared(b2, a2, g2) or b2.ndim == a2.ndim == g2.ndim == 2:
+            gb = _transposed_product(_rows_folded(a2), _rows_folded(g2), b2, xp)
         else:
             gb = xp.matmul(xp.swapaxes(a2, -1, -2), g2)
         gb = gb[..., :, 0] if b.ndim == 1 else gb
     return ga, gb
+
+
+def _transposed_product(x: Any, y: Any, like: Any, xp: Any) -> Any:
+    """``x^T @ y`` laid out like ``like``: for a weight used transposed (``x @ W.T``, ``like``
+    a Fortran-ordered view) compute ``(y^T @ x)^T``, so the gradient reaching ``W`` through
+    the transpose is C-ordered without a strided copy (optimizers then run on contiguous
+    memory)."""
+    if like.flags.f_contiguous and not like.flags.c_contiguous:
+        return xp.matmul(y.T, x).T
+    return xp.matmul(x.T, y)
 
 
 def _batch_folded(x: Any) -> Any:

@@ -37,13 +37,22 @@ class AdamW(Optimizer):
         t = state["step"]
         param *= 1 - lr * group["weight_decay"]
         m, v = state["exp_avg"].to_local(), state["exp_avg_sq"].to_local()
-        m += (grad - m) * (1 - beta1)
+        # PyTorch's formulas, in place with one scratch buffer (a step is memory-bound)
+        scratch = xp.subtract(grad, m)
+        scratch *= 1 - beta1
+        m += scratch  # m.lerp_(grad, 1 - beta1)
+        xp.multiply(grad, grad, out=scratch)
+        scratch *= 1 - beta2
         v *= beta2
-        v += (1 - beta2) * grad * grad
+        v += scratch
         if group["amsgrad"]:
             vmax = state["max_exp_avg_sq"].to_local()
             xp.maximum(vmax, v, out=vmax)
             v = vmax
         step_size = lr / (1 - beta1 ** t)
-        denom = xp.sqrt(v) / math.sqrt(1 - beta2 ** t) + eps
-        param -= step_size * (m / denom)
+        denom = xp.sqrt(v, out=scratch)
+        denom /= math.sqrt(1 - beta2 ** t)
+        denom += eps
+        xp.divide(m, denom, out=denom)
+        denom *= step_size
+        param -= denom
