@@ -90,14 +90,19 @@ def _embedding_style(module: Embedding, mesh: DeviceMesh, weight: Placement, sty
     def forward(index: Any) -> Any:
         if isinstance(index, DTensor) and index.placements != (Replicate(),):
             index = index.redistribute(placements=[Replicate()])
-        y = F.embedding(index, module.weight)
-        out = _normalise(style.output_layouts, y.ndim)
-        if y.placements != (out,):
-            y = y.redistribute(placements=[out])
-        return y.to_local() if style.use_local_output else y
+        return _to_output(style, F.embedding(index, module.weight))
 
     object.__setattr__(module, "forward", forward)
     return module
+
+
+def _to_output(style: Any, y: DTensor) -> Any:
+    """``y`` redistributed to the style's ``output_layouts`` (explicitly: the boundary's one
+    communication), as a local array when the style says ``use_local_output``."""
+    out = _normalise(style.output_layouts, y.ndim)
+    if y.placements != (out,):
+        y = y.redistribute(placements=[out])
+    return y.to_local() if style.use_local_output else y
 
 
 def _check_linear(module: Module, style: str, mesh: DeviceMesh) -> Linear:
@@ -133,10 +138,7 @@ class ColwiseParallel(ParallelStyle):
             y = x @ lin.weight.T
             if lin.bias is not None:
                 y = y + lin.bias
-            out = _normalise(self.output_layouts, y.ndim)
-            if y.placements != (out,):
-                y = y.redistribute(placements=[out])
-            return y.to_local() if self.use_local_output else y
+            return _to_output(self, y)
 
         object.__setattr__(lin, "forward", forward)
         return lin
