@@ -290,7 +290,7 @@ def _redistribute_grad_case(mesh: dt.DeviceMesh, src: list[dt.Placement], dst: l
     grad_layout = [sj if isinstance(sj, dt.Shard) else dj if isinstance(sj, dt.Replicate) else None
                    for sj, dj in zip(src, dst)]
     for k, (s, d) in enumerate(zip(src, dst)):
-        nested = isinstance(d, dt.Shard) and any(j != k and grad_layout[j] == d for j in range(len(src)))
+        nested = isinstance(d, dt.Shard) and any(j > k and grad_layout[j] == d for j in range(len(src)))
         if nested and isinstance(s, dt.Replicate):
             grad_layout[k] = None  # gathered: no longer splits d for the mesh dims after it
         if isinstance(s, dt.Shard):
@@ -498,3 +498,19 @@ def test_leaf_gradients_are_c_contiguous_and_unneeded_gradients_are_skipped(mesh
     assert w.grad is not None and w.grad.to_local().flags.c_contiguous
     np.testing.assert_allclose(w.grad.to_torch(), np.broadcast_to(values((5, 4), 1).sum(0), (SIZE + 2, 4)))
     assert x.grad is None
+
+
+def test_prod_backward_with_zeros_and_leaf_gradients_own_their_buffers(mesh1d: dt.DeviceMesh) -> None:
+    x = dt.distribute_tensor(np.array([[0.0, 2.0, 3.0], [1.0, 0.0, 0.0]]), mesh1d, [R], requires_grad=True)
+    x.prod(dim=1).sum().backward()
+    assert x.grad is not None
+    np.testing.assert_allclose(x.grad.to_torch(), [[6.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    a = dt.distribute_tensor(values((SIZE + 1, 2), 1), mesh1d, [dt.Shard(0)], requires_grad=True)
+    b = dt.distribute_tensor(values((SIZE + 1, 2), 2), mesh1d, [dt.Shard(0)], requires_grad=True)
+    (a + b).sum().backward()  # add hands one buffer to both inputs; sum's is a read-only view
+    assert a.grad is not None and b.grad is not None
+    assert not np.shares_memory(a.grad.to_local(), b.grad.to_local())
+    assert a.grad.to_local().flags.writeable
+    with dt.no_grad():
+        y = dt.nn.functional.cross_entropy(a, np.zeros(SIZE + 1, dtype=np.int64))
+    assert not y.requires_grad and y.grad_fn is None

@@ -42,14 +42,6 @@ ROW_WISE: dict[str, tuple[Callable[[dt.DTensor], dt.DTensor], Callable[[np.ndarr
 }
 
 
-def _gelu_exact_available() -> bool:
-    mesh = dt.init_device_mesh("cpu", (SIZE,))
-    one = dt.full((1,), 1.0, dtype=np.float64, device_mesh=mesh, placements=[R])
-    got = float(F.gelu(one).to_torch()[0])
-    mesh.free()
-    return math.isclose(got, 0.5 * (1 + math.erf(1 / math.sqrt(2))), rel_tol=1e-12)
-
-
 def _inputs(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]]) -> list[tuple[np.ndarray, dt.DTensor]]:
     out = []
     for n in lengths_for(SIZE):
@@ -70,9 +62,6 @@ def test_elementwise_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMes
     check.done()
 
 
-@pytest.mark.skipif(not _gelu_exact_available(),
-                    reason="dt.gelu(approximate='none') (erf form) lands with the ops refactor; "
-                           "today dt.gelu is the tanh form")
 def test_gelu_exact(mesh1d: dt.DeviceMesh, check: Checker) -> None:
     for full, x in _inputs(mesh1d, [[S0], [S1], [R]]):
         want = 0.5 * full * (1 + ERF(full / math.sqrt(2)))

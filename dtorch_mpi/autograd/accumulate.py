@@ -59,7 +59,10 @@ def convert_locally(t: "DTensor", target: tuple[Placement, ...]) -> Any:
             via[k] = dst
     if tuple(via) != t.placements:
         plan = compile_plan(t.spec, tuple(via))
-        assert not plan.communicates, "gradient accumulation must never communicate"
+        if plan.communicates:
+            raise PlacementError(
+                f"backward: summing gradient contributions placed {list(t.placements)} into "
+                f"{list(target)} would move data (nested sharding); give the uses one placement")
         local = run_compiled(local, plan)
     return local / scale if scale != 1 else local
 

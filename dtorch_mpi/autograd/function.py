@@ -145,7 +145,7 @@ def record_redistribute(src: "DTensor", out: "DTensor") -> "DTensor":
     Shard(d) source <- the gradient redistributed to Shard(d) (slice, reduce-scatter or
     all-to-all); Partial source <- Replicate (all-reduce only when the gradient is Partial);
     Replicate source cut to a Shard <- the gradient zero-padded, Partial("sum") (no data moves:
-    the forward moved none), or all-gathered to Replicate where another mesh dim shards the same
+    the forward moved none), or all-gathered to Replicate where a later mesh dim shards the same
     tensor dim (nested sharding: the forward's cut moved data too); a mesh dim the forward left alone keeps the gradient's placement."""
     src_spec, out_spec = src.spec, out.spec
 
@@ -171,8 +171,8 @@ def record_redistribute(src: "DTensor", out: "DTensor") -> "DTensor":
             else:
                 via.append(g)  # Replicate -> Partial: the value's gradient is the source's
         for k in list(padded):
-            if any(j != k and via[j] == via[k] for j in range(len(via))):
-                # another mesh dim splits the same tensor dim (nested sharding): the forward's
+            if any(j > k and via[j] == via[k] for j in range(len(via))):
+                # a later mesh dim splits the same tensor dim (nested sharding): the forward's
                 # cut was not local, so neither is its adjoint: gather the gradient instead
                 via[k] = Replicate()
                 padded.remove(k)

@@ -63,10 +63,13 @@ class AccumulateGrad(Node):
 
     def apply(self, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
         leaf = self.leaf
-        local = grad.to_local()
-        if not local.flags.c_contiguous:  # e.g. a transpose's gradient: keep the parameter's
-            grad = type(grad)(local.copy(order="C"), grad.spec)  # layout for the optimizer
-        leaf.grad = grad if leaf.grad is None else accumulate(leaf.grad, grad)
+        if leaf.grad is None:
+            # the leaf's own writable, C-ordered array: a backward kernel may hand the same
+            # buffer to several inputs (add), or a read-only broadcast view (sum), and
+            # optimizers and clip_grad_norm_ update .grad in place
+            leaf.grad = type(grad)(grad.to_local().copy(order="C"), grad.spec)
+        else:
+            leaf.grad = accumulate(leaf.grad, grad)
         return ()
 
 

@@ -49,10 +49,6 @@ def _unary(formula: str, fn: Callable[[Any, Any, Any, Any], Any], *, inputs: boo
                     inputs, output, formula)
 
 
-def _erf(xp: Any, x: Any) -> Any:
-    return xp.asarray(np.vectorize(math.erf, otypes=[np.float64])(x)).astype(x.dtype, copy=False)
-
-
 def _sigmoid(xp: Any, x: Any) -> Any:
     return 1 / (1 + xp.exp(-x))
 
@@ -63,7 +59,9 @@ def _gelu_grad(g: Any, x: Any, p: dict[str, Any], xp: Any) -> Any:
         inner = c * (x + 0.044715 * x * x * x)  # x ** 3 takes NumPy's slow pow path
         t = xp.tanh(inner)
         return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x))
-    cdf = 0.5 * (1 + _erf(xp, x / math.sqrt(2)))
+    from ..ops.kernels import erf  # the forward's erf (libm per element; cupyx on GPU)
+
+    cdf = 0.5 * (1 + erf(xp, x / math.sqrt(2)))
     pdf = xp.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
     return g * (cdf + x * pdf)
 
@@ -225,6 +223,19 @@ def _expand(g: Any, p: dict[str, Any]) -> Any:
     return g
 
 
+def _others_product(x: Any, axes: tuple[int, ...], xp: Any) -> Any:
+    """For every element, the product of the other elements over ``axes`` (no division, so
+    zeros are exact): exclusive cumulative products from both ends."""
+    rest = [d for d in range(x.ndim) if d not in axes]
+    moved = xp.transpose(x, rest + list(axes))
+    flat = moved.reshape(moved.shape[: len(rest)] + (math.prod(x.shape[d] for d in axes),))
+    ones = xp.ones(flat.shape[:-1] + (1,), dtype=x.dtype)
+    left = xp.cumprod(xp.concatenate([ones, flat[..., :-1]], axis=-1), axis=-1)
+    right = xp.flip(xp.cumprod(xp.concatenate([ones, xp.flip(flat, -1)[..., :-1]], axis=-1), axis=-1), -1)
+    others = (left * right).reshape(moved.shape)
+    return xp.transpose(others, np.argsort(rest + list(axes)))
+
+
 def _extreme(g: Any, xs: tuple[Any, ...], out: Any, p: dict[str, Any], xp: Any) -> tuple[Any]:
     x = xs[0]
     mask = x == _expand(out, p)
@@ -259,8 +270,8 @@ REDUCTIONS: dict[str, Backward] = {
         "g / n broadcast over the reduced dims (n: the global count)"),
     "max": Backward(_extreme, True, True, "g shared by the maxima (split on ties)"),
     "min": Backward(_extreme, True, True, "g shared by the minima (split on ties)"),
-    "prod": Backward(lambda g, xs, out, p, xp: (_expand(g, p) * _expand(out, p) / xs[0],), True, True,
-                     "g y / x"),
+    "prod": Backward(lambda g, xs, out, p, xp: (_expand(g, p) * _others_product(xs[0], p["dim"], xp),),
+                     True, False, "g times the product of the other elements (zeros included)"),
     "std": _spread(True),
     "var": _spread(False),
 }

@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import factory
 from ..autograd.function import needs_recording
+from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
 from ..dtensor import DTensor
 from ..errors import PlacementError
@@ -147,7 +148,7 @@ def embedding(index: Any, weight: DTensor) -> DTensor:
         out = xp.zeros(idx.shape + (table.shape[1],), dtype=table.dtype)
         out[own] = table[idx[own] - row0]
     result = DTensor(out, spec)
-    if not needs_recording((weight,)):
+    if not (_GradMode.recording and needs_recording((weight,))):
         return result
     hit_rows, w_spec = idx[own] - row0, weight.spec
 

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..autograd.function import needs_recording
+from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
 from ..dtensor import DTensor
 from ..errors import PlacementError, ShapeMismatchError
@@ -80,9 +81,13 @@ def _local_target(target: Any, logits: DTensor) -> Any:
                 f"(logits {list(logits.placements)}); redistribute the target to {list(want)}")
         local = target.to_local()
         comm = logits.device_mesh.get_comm() if any(p.is_shard() for p in want) else None
-    else:
+    else:  # every rank holds the whole array: check all of it (the same verdict everywhere)
+        classes = logits.shape[-1]
+        if target.size and (int(target.min()) < 0 or int(target.max()) >= classes):
+            raise IndexError(f"cross_entropy: target out of range [0, {classes}) "
+                             f"(got {int(target.min())}..{int(target.max())})")
         local_rows, offset = logits.spec.local_shape_and_offset
-        local = target[tuple(slice(o, o + n) for o, n in zip(offset, local_rows[:-1]))]
+        return target[tuple(slice(o, o + n) for o, n in zip(offset, local_rows[:-1]))]
     classes = logits.shape[-1]
     with agreed(comm):  # ranks hold different rows of a sharded target: agree on the check
         if local.size and (int(local.min()) < 0 or int(local.max()) >= classes):
@@ -120,7 +125,7 @@ def _row_losses(logits: DTensor, target: Any) -> DTensor:
     loss = (xp.log(stats[0]) - stats[1]).astype(z.dtype, copy=False)
     out_plc = tuple(Replicate() if p.is_shard(logits.ndim - 1) else p for p in logits.placements)
     out = DTensor(loss, DTensorSpec(logits.device_mesh, out_plc, logits.shape[:-1], logits.dtype))
-    if not needs_recording((logits,)):
+    if not (_GradMode.recording and needs_recording((logits,))):
         return out
     prob = e / stats[0][..., None]
     hit = xp.nonzero(owned)

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from ..autograd.function import version_of
 from ..dtensor import DTensor
 from ..errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError, StateDictError
 from ..redistribute import array_namespace
@@ -94,6 +95,7 @@ class Optimizer:
             if state is None:
                 state = self.state[p] = self._init_state(group, p, xp)
             self._update(group, p.to_local(), p.grad.to_local(), state, xp)  # type: ignore[union-attr]
+            p._version = version_of(p) + 1  # type: ignore[attr-defined]  # backward through an older graph refuses
 
     def _init_state(self, group: dict[str, Any], p: DTensor, xp: Any) -> dict[str, Any]:
         state: dict[str, Any] = {"step": 0}
