@@ -20,6 +20,7 @@ from typing import NoReturn
 import numpy as np
 from mpi4py import MPI
 
+from .comm.deadline import wait_request
 from .errors import ERROR_TYPES, DTensorError, SPMDDivergenceError
 
 MAX_NDIM = 32
@@ -28,13 +29,13 @@ MAX_NDIM = 32
 
 def _allgather_bytes(comm: MPI.Intracomm, payload: bytes) -> list[bytes]:
     lengths = np.zeros(comm.Get_size(), dtype=np.int64)
-    comm.Allgather(np.array([len(payload)], dtype=np.int64), lengths)
+    mine = np.array([len(payload)], dtype=np.int64)
+    wait_request(comm.Iallgather(mine, lengths), "the library's error-report exchange (Allgather)")
     displs = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
     out = np.empty(int(lengths.sum()), dtype=np.uint8)
-    comm.Allgatherv(
-        np.frombuffer(payload, dtype=np.uint8) if payload else np.empty(0, np.uint8),
-        [out, (lengths.tolist(), displs.tolist()), MPI.BYTE],
-    )
+    send = np.frombuffer(payload, dtype=np.uint8) if payload else np.empty(0, np.uint8)
+    wait_request(comm.Iallgatherv(send, [out, (lengths.tolist(), displs.tolist()), MPI.BYTE]),
+                 "the library's error-report exchange (Allgatherv)")
     raw = out.tobytes()
     return [raw[int(s) : int(s) + int(n)] for s, n in zip(displs, lengths)]
 
@@ -51,7 +52,7 @@ def agree(comm: MPI.Intracomm | None, error: BaseException | None) -> None:
         return
     flag = np.array([1 if error is not None else 0], dtype=np.int32)
     any_failed = np.zeros(1, dtype=np.int32)
-    comm.Allreduce(flag, any_failed, op=MPI.MAX)
+    wait_request(comm.Iallreduce(flag, any_failed, op=MPI.MAX), "the library's error agreement (Allreduce)")
     if not any_failed[0]:
         return
     payload = b""
@@ -122,7 +123,8 @@ def require_same(comm: MPI.Intracomm | None, values: Mapping[str, object], *, wh
     mine = np.array([1 if problem is not None else 0, *(fingerprint(v) for v in values.values())],
                     dtype=np.int64)
     low = np.empty(2 * mine.size, dtype=np.int64)
-    comm.Allreduce(np.concatenate([mine, -mine]), low, op=MPI.MIN)
+    both = np.concatenate([mine, -mine])
+    wait_request(comm.Iallreduce(both, low, op=MPI.MIN), f"the library's agreement check for {what} (Allreduce)")
     if low[mine.size] != 0:  # -max(status): some rank failed
         agree(comm, problem)
     differ = [name for i, name in enumerate(values, 1) if low[i] != -low[mine.size + i]]
@@ -156,7 +158,7 @@ def gather_records(comm: MPI.Intracomm, fill: Callable[[np.ndarray], None], widt
         problem = exc
         row[0] = 1
     table = np.empty((comm.Get_size(), row.size), dtype=np.int64)
-    comm.Allgather(row, table)
+    wait_request(comm.Iallgather(row, table), "the library's metadata exchange (Allgather)")
     if table[:, 0].any():
         agree(comm, problem)  # every rank sees the failure flag, so every rank calls it
     return table[:, 1:]

@@ -20,3 +20,15 @@ def test_a_skipped_collective_times_out() -> None:
         print(f"raised after {elapsed:.1f}s: {err.value}")
         assert 3 <= elapsed < 20
         assert "case_collective_timeout.py" in str(err.value)  # the call site
+
+
+def test_a_skipped_metadata_collective_times_out() -> None:
+    """The library's own small collectives (from_local's metadata all-gather) have the deadline too."""
+    mesh = dt.init_device_mesh("cpu", (MPI.COMM_WORLD.Get_size(),))
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        start = time.monotonic()
+        with pytest.raises(dt.CollectiveTimeoutError, match="metadata exchange") as err:
+            dt.DTensor.from_local(np.zeros((2, 3)), mesh, [dt.Shard(0)])
+        elapsed = time.monotonic() - start
+        print(f"raised after {elapsed:.1f}s: {err.value}")
+        assert 3 <= elapsed < 20
