@@ -34,8 +34,11 @@ runuser -u munge -- munged --key-file="$ROOT/munge/etc/munge.key" --socket="$SOC
   --seed-file="$ROOT/munge/lib/munged.seed"
 
 mkdir -p "$ROOT/state" "$ROOT/spool"
+# a random first job id: MPICH names its shared-memory segments after the PMI job id, and a
+# killed earlier run leaves /dev/shm/mpich_shm_* behind that a new "job 1" would attach to and spin
 cat > "$ROOT/slurm.conf" <<CONF
 ClusterName=dtorch
+FirstJobId=$(( (RANDOM * 32768 + RANDOM) % 60000000 + 1000 ))
 SlurmctldHost=$HOST(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
