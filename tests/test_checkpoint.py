@@ -52,6 +52,14 @@ def targets(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shape: tuple
             for i in range(len(LAYOUTS_1D))}
 
 
+
+def assert_previous_file_intact(path: str, before: bytes, directory: str) -> None:
+    """After a failed save: the old checkpoint unchanged, bit for bit, and no temporary left."""
+    WORLD.Barrier()
+    if RANK == 0:
+        assert open(path, "rb").read() == before, "the previous checkpoint changed"
+        assert sorted(os.listdir(directory)) == [os.path.basename(path)], os.listdir(directory)
+
 def test_round_trip_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, shared_dir: str,
                                     check: Checker) -> None:
     path = os.path.join(shared_dir, "ck.h5")
@@ -167,10 +175,7 @@ def test_failed_save_leaves_the_previous_file(mesh1d: dt.DeviceMesh, shared_dir:
     with pytest.raises(dt.CheckpointError, match="planted"):
         dt.save(changed, path)
     monkeypatch.setattr(ck, "_writer_piece", real)
-    WORLD.Barrier()
-    if RANK == 0:
-        assert open(path, "rb").read() == before, "the previous checkpoint changed"
-        assert sorted(os.listdir(shared_dir)) == ["atomic.h5"], os.listdir(shared_dir)
+    assert_previous_file_intact(path, before, shared_dir)
     tgt = targets(mesh1d, LAYOUTS_1D, (SIZE + 2, 3))
     dt.load(path, tgt)
     for k, v in tgt.items():
@@ -438,10 +443,7 @@ def test_io_error_in_a_collective_write_raises_everywhere(mesh1d: dt.DeviceMesh,
     with pytest.raises(dt.CheckpointError, match="No space left on device"):
         dt.save(sd, path)
     monkeypatch.setattr(ck, "_write_slab", real)
-    WORLD.Barrier()
-    if RANK == 0:
-        assert open(path, "rb").read() == before, "the previous checkpoint changed"
-        assert sorted(os.listdir(shared_dir)) == ["io.h5"], os.listdir(shared_dir)
+    assert_previous_file_intact(path, before, shared_dir)
     tgt = targets(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
     dt.load(path, tgt)
     for k, v in tgt.items():

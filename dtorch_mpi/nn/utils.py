@@ -59,9 +59,13 @@ def reduce_gradients(params: Iterable[DTensor], *, bucket_bytes: int = BUCKET_BY
         if g is None:
             continue
         if g.device_mesh != p.device_mesh:
-            raise MeshMismatchError(f"parameter {i}: its gradient lives on another mesh ({g.device_mesh!r})")
+            raise MeshMismatchError(
+                f"reduce_gradients: parameter {i}'s gradient lives on {g.device_mesh!r}, the parameter on "
+                f"{p.device_mesh!r}; assign a gradient on the parameter's mesh (or let backward() make it)")
         if g.shape != p.shape:
-            raise ShapeMismatchError(f"parameter {i} has shape {p.shape}, its gradient {g.shape}")
+            raise ShapeMismatchError(
+                f"reduce_gradients: parameter {i} has shape {p.shape} but its gradient {g.shape}; the "
+                f"gradient must have its parameter's global shape")
         plan = compile_plan(g.spec, p.placements)
         if plan.steps:
             items.append(_Item(p, g.to_local(), plan.steps, math.prod(g.shape) * g.dtype.itemsize))
