@@ -14,6 +14,7 @@ from conftest import RANK, SIZE, Checker
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import Group, gpu
+from dtorch_mpi.comm.prologue import Prologued
 
 try:
     import cupy
@@ -80,7 +81,7 @@ class CountingAdapter(gpu.DeviceAdapter):
 
 def test_host_staging_backend_with_a_stand_in_device(mesh1d: dt.DeviceMesh, check: Checker) -> None:
     adapter = CountingAdapter()
-    backend = gpu.HostStagingBackend(adapter)
+    backend = Prologued(gpu.HostStagingBackend(adapter))
     group = Group(mesh1d.get_group(0), 0)
     n = 2 * SIZE + 1
     full = np.arange(n * 3, dtype=np.float64).reshape(n, 3)
@@ -96,7 +97,8 @@ def test_host_staging_backend_with_a_stand_in_device(mesh1d: dt.DeviceMesh, chec
     handle = backend.all_gather(group, piece, np.empty_like(full), 0, sizes, async_op=True)
     check.equal(handle.wait(), full, "async all_gather")
     check.true(handle.done(), "done after wait")
-    check.true(adapter.copies >= 8, "staging copied through the host")
+    check.true(adapter.copies >= 8 if SIZE > 1 else adapter.copies == 0,  # one rank: the prologue moves nothing
+               "staging copied through the host")
     check.done()
 
 

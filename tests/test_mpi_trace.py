@@ -22,7 +22,7 @@ from test_redistribute import P1, P2, make_pieces
 from test_redistribute import local_of as local_piece
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import Group, MPIBackend
+from dtorch_mpi.comm import Group
 from dtorch_mpi.split import split_sizes
 
 Call = tuple[str, tuple[Any, ...], Any]  # (method, bytes per buffer argument, root or counts)
@@ -167,8 +167,8 @@ def test_the_issue_18_reproducer_makes_one_call_kind(mesh1d: dt.DeviceMesh) -> N
     full = np.arange(float(max(SIZE - 1, 1))).reshape(1, -1)
     mine = local_piece(full, mesh1d, [dt.Shard(0)])
     out = np.empty(local_piece(full, mesh1d, [dt.Shard(1)]).shape)
-    got = MPIBackend().all_to_all(Group(comm, 0), mine, out, 1, split_sizes(full.shape[1], SIZE),  # type: ignore[arg-type]
-                                  0, split_sizes(1, SIZE)).wait()
+    got = dt.comm.backend_named("mpi").all_to_all(Group(comm, 0), mine, out, 1, split_sizes(full.shape[1], SIZE),  # type: ignore[arg-type]
+                                                  0, split_sizes(1, SIZE)).wait()
     kinds = WORLD.allgather([c[0] for c in comm.calls])
     assert all(k == kinds[0] for k in kinds), kinds
     assert np.array_equal(got, local_piece(full, mesh1d, [dt.Shard(1)]))
