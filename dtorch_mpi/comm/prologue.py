@@ -90,6 +90,14 @@ class Prologued:
         """Step 5 (only called while a CommCounter is on)."""
         counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
 
+    def _enter(self, group: Group, kind: str, shared: Any, send: Any, out: Any, facts: dict[str, Any],
+               empty: bool) -> Handle | None:
+        """Steps 2-4 (the caller did step 1): the finished handle when nothing moves, else None."""
+        collective_starting()
+        if spmd_debug():
+            self._check(group, kind, shared, send, out, facts)
+        return completed(out) if empty else None
+
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle:
         if not async_op:
@@ -100,27 +108,22 @@ class Prologued:
                    async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        collective_starting()
-        if spmd_debug():
-            self._check(group, "all_gather", out, send, out, {"axis": axis, "sizes": tuple(sizes)})
-        if out.size == 0:
-            return completed(out)
+        facts = {"axis": axis, "sizes": tuple(sizes)} if counter._active or spmd_debug() else _NO_FACTS
+        if (done := self._enter(group, "all_gather", out, send, out, facts, out.size == 0)) is not None:
+            return done
         if counter._active:
-            self._record(group, "all_gather", send, out, {"axis": axis, "sizes": tuple(sizes)},
-                         send.nbytes, out.nbytes - send.nbytes, async_op)
+            self._record(group, "all_gather", send, out, facts, send.nbytes, out.nbytes - send.nbytes, async_op)
         return self._finish(self.inner.all_gather(group, send, out, axis, sizes, async_op), async_op)
 
     def all_to_all(self, group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
                    concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        collective_starting()
         facts = {"split": split_axis, "concat": concat_axis, "split_sizes": tuple(split_sizes),
                  "concat_sizes": tuple(concat_sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        if spmd_debug():
-            self._check(group, "all_to_all", None, send, out, facts)
-        if not (sum(split_sizes) and sum(concat_sizes) and _others(send.shape, split_axis, concat_axis)):
-            return completed(out)
+        empty = not (sum(split_sizes) and sum(concat_sizes) and _others(send.shape, split_axis, concat_axis))
+        if (done := self._enter(group, "all_to_all", None, send, out, facts, empty)) is not None:
+            return done
         if counter._active:
             me = group.rank
             own_send = send.nbytes // max(send.shape[split_axis], 1) * split_sizes[me]
@@ -133,25 +136,20 @@ class Prologued:
     def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        collective_starting()
-        if spmd_debug():
-            self._check(group, "all_reduce", out, send, out, {"op": reduce_op})
-        if out.size == 0:
-            return completed(out)
+        facts = {"op": reduce_op} if counter._active or spmd_debug() else _NO_FACTS
+        if (done := self._enter(group, "all_reduce", out, send, out, facts, out.size == 0)) is not None:
+            return done
         if counter._active:
-            self._record(group, "all_reduce", send, out, {"op": reduce_op}, send.nbytes, out.nbytes, async_op)
+            self._record(group, "all_reduce", send, out, facts, send.nbytes, out.nbytes, async_op)
         return self._finish(self.inner.all_reduce(group, send, out, reduce_op, async_op), async_op)
 
     def reduce_scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
                        reduce_op: str, async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        collective_starting()
         facts = {"axis": axis, "op": reduce_op, "sizes": tuple(sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        if spmd_debug():
-            self._check(group, "reduce_scatter", send, send, out, facts)
-        if send.size == 0:
-            return completed(out)
+        if (done := self._enter(group, "reduce_scatter", send, send, out, facts, send.size == 0)) is not None:
+            return done
         if counter._active:
             self._record(group, "reduce_scatter", send, out, facts, send.nbytes - out.nbytes,
                          (group.size - 1) * out.nbytes, async_op)
@@ -161,14 +159,12 @@ class Prologued:
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Handle:
         if group.size == 1:
             return completed(buf)
-        collective_starting()
-        if spmd_debug():
-            self._check(group, "broadcast", buf, buf, buf, {"root": root})
-        if buf.size == 0:
-            return completed(buf)
+        facts = {"root": root} if counter._active or spmd_debug() else _NO_FACTS
+        if (done := self._enter(group, "broadcast", buf, buf, buf, facts, buf.size == 0)) is not None:
+            return done
         if counter._active:
             root_here = group.rank == root
-            self._record(group, "broadcast", buf, buf, {"root": root},
+            self._record(group, "broadcast", buf, buf, facts,
                          buf.nbytes * (group.size - 1) if root_here else 0, 0 if root_here else buf.nbytes,
                          async_op)
         return self._finish(self.inner.broadcast(group, buf, root, async_op), async_op)
@@ -177,12 +173,10 @@ class Prologued:
                 async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        collective_starting()
         facts = {"axis": axis, "root": root, "sizes": tuple(sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        if spmd_debug():
-            self._check(group, "scatter", None, send, out, facts)
-        if not (sum(sizes) and _others(out.shape, axis)):
-            return completed(out)
+        empty = not (sum(sizes) and _others(out.shape, axis))
+        if (done := self._enter(group, "scatter", None, send, out, facts, empty)) is not None:
+            return done
         if counter._active:
             root_here = group.rank == root
             self._record(group, "scatter", send, out, facts,
