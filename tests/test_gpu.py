@@ -102,6 +102,33 @@ def test_host_staging_backend_with_a_stand_in_device(mesh1d: dt.DeviceMesh, chec
     check.done()
 
 
+@pytest.mark.skipif(SIZE == 1, reason="a divergence needs two ranks")
+def test_every_backend_gets_the_debug_check(mesh1d: dt.DeviceMesh) -> None:
+    """The prologue is the registry's, not the MPI backend's: a GPU-type backend (host
+    staging, with the stand-in device) names a divergent call too, with its own call name."""
+    from dtorch_mpi.comm import config
+
+    backend = Prologued(gpu.HostStagingBackend(CountingAdapter()))
+    group = Group(mesh1d.get_group(0), 0)
+    sizes = [2] * SIZE if RANK == 0 else [3, 1] + [2] * (SIZE - 2)
+    config.set_spmd_debug(True)
+    try:
+        with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+            backend.all_gather(group, np.zeros((sizes[RANK], 3)), np.empty((2 * SIZE, 3)), 0, sizes)
+    finally:
+        config.set_spmd_debug(False)
+    assert "host-staging=" in str(err.value), str(err.value)
+
+
+def test_nccl_names_its_calls() -> None:
+    """What the debug check and CommCounter see of NCCL (pure: no GPU needed)."""
+    nccl = gpu.NCCLBackend()
+    assert nccl.call_for("reduce_scatter", None, None, {"sizes": (2, 2)}) == ("reduceScatter", False)
+    assert nccl.call_for("reduce_scatter", None, None, {"sizes": (3, 2)}) == ("reduceScatter", True)
+    assert nccl.call_for("all_to_all", None, None, {"split_sizes": (3, 2)}) == ("send/recv", False)
+    assert nccl.call_for("all_gather", None, None, {"sizes": (1, 0)}) == ("allGather", True)
+
+
 @pytest.fixture(params=BACKENDS)
 def any_mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
     mesh = dt.init_device_mesh(request.param, (SIZE,))
