@@ -329,7 +329,7 @@ class DTensor:
                 f"onto the new mesh instead"
             )
         target = self.placements if placements is None else _normalized(placements, mesh.ndim, self.ndim)
-        plan = compile_plan(self._spec, target)
+        plan = mesh._plans(self._spec, target)  # compile_plan inlined: the mesh's plan cache
         if async_op:
             out = DTensor(None, plan.out_spec, _pending=CompiledHandle(self.to_local(), plan))
         else:

@@ -11,13 +11,14 @@ import numpy as np
 from mpi4py import MPI
 
 from . import random as _random
+from .comm import Group, backend_for
 from .comm.config import spmd_debug
-from .comm.counter import record
+from .comm.layout import with_dim
 from .dtensor import DTensor, checked_shape, debug_check_mesh, make_spec, mesh_name
-from .dtypes import check_dtype, dtype_code, dtype_from_code, element_type, identity_value, to_native
+from .dtypes import check_dtype, dtype_code, dtype_from_code, identity_value, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
-from .placement import Partial, Placement, Replicate, normalize_placements
+from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import array_namespace
 from .split import local_shape_and_offset
 from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
@@ -293,7 +294,7 @@ def _distribute(array: Any, device_mesh: DeviceMesh, placements: Sequence[Placem
                  else xp.full(local_shape, identity_value(dt, op), dt))
         return DTensor(local, spec)
     local = xp.zeros(local_shape, dtype=dt) if op is None else xp.full(local_shape, identity_value(dt, op), dt)
-    _send_pieces(array, local, mesh, plc, shape, src_data_rank, me, xp)
+    _send_pieces(array, local, mesh, plc, shape, src_data_rank, xp)
     return DTensor(local, spec)
 
 
@@ -309,45 +310,41 @@ def _outside_the_mesh(array: Any, mesh: DeviceMesh, placements: Sequence[Placeme
     return _build(shape, dt, mesh, placements, lambda s, o, xp: xp.empty(s, dtype=dt))
 
 
-def _send_pieces(
-    array: Any, local: Any, mesh: DeviceMesh, plc: tuple[Placement, ...], shape: tuple[int, ...],
-    root: int, me: int, xp: Any,
-) -> None:
-    """Point-to-point from the root: each receiving rank gets its hyperslab as one buffer."""
-    comm = mesh.get_comm()
-    tag = 0x7D15
-    itemsize = local.dtype.itemsize
-    needs = [
-        not any(isinstance(p, Partial) and p.reduce_op != "avg" and c[k] != 0
-                for k, p in enumerate(plc))
-        for c in (tuple(int(v) for v in np.unravel_index(r, mesh.shape)) for r in range(comm.Get_size()))
-    ]
-    if me == root:
-        src = np.asarray(array.get() if hasattr(array, "get") else array, order="C")  # 0-d stays 0-d
-        requests, types, sent = [], [], 0
-        for r in range(comm.Get_size()):
-            if not needs[r]:
-                continue
-            c = tuple(int(v) for v in np.unravel_index(r, mesh.shape))
-            lshape, off = local_shape_and_offset(shape, mesh.shape, plc, c)
-            index = tuple(slice(o, o + n) for o, n in zip(off, lshape))
-            if r == me:
-                local[...] = xp.asarray(src[index])
-                continue
-            if math.prod(lshape) == 0:
-                continue
-            t = element_type(itemsize).Create_subarray(shape, lshape, off) if shape else element_type(itemsize).Dup()
-            t.Commit()
-            types.append(t)
-            requests.append(comm.Isend([src, 1, t], dest=r, tag=tag))
-            sent += math.prod(lshape) * itemsize
-        record("scatter", None, sent, 0, False, False)
-        MPI.Request.Waitall(requests)
-        for t in types:
-            t.Free()
-    elif needs[me] and local.size:
-        host = np.empty(local.shape, dtype=local.dtype) if mesh.device_type != "cpu" else local
-        comm.Recv([host, host.size, element_type(itemsize)], source=root, tag=tag)
-        record("scatter", None, 0, host.nbytes, False, False)
-        if host is not local:
-            local[...] = xp.asarray(host)
+def _send_pieces(array: Any, local: Any, mesh: DeviceMesh, plc: tuple[Placement, ...], shape: tuple[int, ...],
+                 root: int, xp: Any) -> None:
+    """The root's array reaches every rank through the mesh's backend, one mesh dim at a time,
+    outermost first. Along mesh dim ``k`` the ranks whose region is known pass it on within
+    their group: ``Shard(d)`` scatters it along ``d``, ``Replicate``/``Partial("avg")``
+    broadcast it, another ``Partial`` hands it whole to coordinate 0 (the others hold the
+    identity already). A rank takes part in step ``k`` when its coordinates after ``k`` are
+    the root's; an identity region stops there: both facts its whole group shares."""
+    backend = backend_for(mesh.device_type)
+    coord = mesh.get_coordinate()
+    assert coord is not None  # ranks outside the mesh never get here
+    top = tuple(int(v) for v in np.unravel_index(root, mesh.shape))
+    held = xp.asarray(array) if coord == top else None  # the region this rank knows
+    for k, p in enumerate(plc):
+        if coord[k + 1 :] != top[k + 1 :]:
+            continue  # this rank's region arrives in a later step
+        if _partial_fill(mesh, plc[:k]) is not None:
+            return  # an identity region (local holds it): nothing to receive
+        group, here, last = Group(mesh.get_group(k), k), coord[k] == top[k], k == len(plc) - 1
+        before = local_shape_and_offset(shape, mesh.shape[:k], plc[:k], coord[:k])[0]
+        if isinstance(p, Shard):
+            sizes = [local_shape_and_offset(shape, mesh.shape[: k + 1], plc[: k + 1], (*coord[:k], c))[0][p.dim]
+                     for c in range(mesh.shape[k])]
+            out = local if last else xp.empty(with_dim(before, p.dim, sizes[coord[k]]), dtype=local.dtype)
+            held = backend.scatter(group, held if here else None, out, p.dim, sizes, top[k]).wait()
+        elif isinstance(p, Partial) and p.reduce_op != "avg":
+            if top[k] != 0:  # the value belongs at coordinate 0 (SPEC), the root is elsewhere
+                n = math.prod(before)
+                out = xp.empty(n if coord[k] == 0 else 0, dtype=local.dtype)
+                send = xp.ascontiguousarray(held).reshape(-1) if here else None
+                got = backend.scatter(group, send, out, 0, [n if c == 0 else 0 for c in range(mesh.shape[k])],
+                                      top[k]).wait()
+                held = got.reshape(before) if coord[k] == 0 else None
+        else:  # Replicate, Partial("avg"): every coordinate holds the value
+            buf = held if here else xp.empty(before, dtype=local.dtype)
+            held = backend.broadcast(group, buf, top[k]).wait()
+    if held is not None and held is not local:
+        local[...] = held

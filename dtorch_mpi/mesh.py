@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from typing import Any
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -19,7 +21,10 @@ _CONSTRUCTED = itertools.count()
 """Meshes built so far: construction is collective over the world, so a mesh's serial number
 is the same on every rank and tells apart meshes over the same ranks (see ``identity``)."""
 
-_RELEASES: list[Callable[[], None]] = []
+F = TypeVar("F", bound=Callable[..., Any])
+_PER_MESH: list[tuple[str, Callable[..., Any], int]] = []
+_LIVE: "weakref.WeakValueDictionary[tuple[Any, ...], DeviceMesh]" = weakref.WeakValueDictionary()
+"""Root meshes not yet freed, by identity (meshes compare equal by value, so no set of them)."""
 
 
 def _settings() -> dict[str, object]:
@@ -32,16 +37,24 @@ def _settings() -> dict[str, object]:
             "DTORCH_COLLECTIVE_TIMEOUT": collective_timeout()}
 
 
-def release_on_free(release: Callable[[], None]) -> Callable[[], None]:
-    """Register a cache release that every ``DeviceMesh.free()`` runs.
+def cached_per_mesh(attr: str, maxsize: int) -> Callable[[F], F]:
+    """Register a function whose results are cached per mesh: every mesh holds its own
+    ``lru_cache`` of it as ``mesh.<attr>`` (a sub-mesh shares its root's), and
+    ``DeviceMesh.free()`` empties only that mesh's. The function must check ``_check_alive``
+    when it computes (on a miss), so a freed mesh is never served from a cache; the caches of
+    other meshes survive a ``free()``. Per-communicator resources (NCCL communicators) are
+    attached to the MPI communicator instead (:mod:`dtorch_mpi.comm.lifetime`)."""
 
-    A cache of things compiled for meshes (redistribute plans, operator plans) holds its
-    meshes and their communicators; ``free()`` empties it, and the cached function checks
-    ``_check_alive`` when it computes, so a freed mesh can never be served from a cache.
-    Per-communicator resources (NCCL communicators) are attached to the MPI communicator
-    instead (:mod:`dtorch_mpi.comm.lifetime`) and released by MPI when ``free()`` frees it."""
-    _RELEASES.append(release)
-    return release
+    def register(fn: F) -> F:
+        _PER_MESH.append((attr, fn, maxsize))
+        return fn
+
+    return register
+
+
+def live_caches(attr: str) -> Iterator[Any]:
+    """The ``attr`` cache of every live root mesh (for statistics and a global clear)."""
+    return (getattr(mesh, attr) for mesh in list(_LIVE.values()))
 
 
 class DeviceMesh:
@@ -52,6 +65,10 @@ class DeviceMesh:
     never by the garbage collector. A rank outside the mesh has ``get_coordinate() is None``.
     The first mesh installs the abort-on-exception hook (:mod:`dtorch_mpi.abort`).
     """
+
+    # this mesh's caches (``cached_per_mesh``): redistribute plans, operator plans
+    _plans: Callable[..., Any]
+    _op_plans: Callable[..., Any]
 
     def __init__(
         self,
@@ -85,6 +102,7 @@ class DeviceMesh:
         )
         self._owns_comms = True
         self._parent: DeviceMesh | None = None
+        self._make_caches(None)
         self._comm: MPI.Intracomm = world.Split(  # type: ignore[assignment]
             0 if self._coordinate is not None else MPI.UNDEFINED,
             int(np.ravel_multi_index(self._coordinate, array.shape)) if self._coordinate else 0,
@@ -112,6 +130,13 @@ class DeviceMesh:
         self._freed = False
         self._key = (device_type, array.shape, tuple(array.ravel().tolist()), self.mesh_dim_names)
 
+    def _make_caches(self, parent: "DeviceMesh | None") -> None:
+        """This mesh's caches (see ``cached_per_mesh``): its own, or its root's when a sub-mesh."""
+        for attr, fn, maxsize in _PER_MESH:
+            setattr(self, attr, getattr(parent, attr) if parent is not None else lru_cache(maxsize=maxsize)(fn))
+        if parent is None:
+            _LIVE[self._identity] = self
+
     @classmethod
     def _sub(cls, parent: "DeviceMesh", mesh_dim: int) -> "DeviceMesh":
         """The 1-D mesh along ``mesh_dim`` through this rank (shares the parent's communicator)."""
@@ -124,6 +149,7 @@ class DeviceMesh:
         self._identity = (parent._identity, mesh_dim)
         self._owns_comms = False
         self._parent = parent
+        self._make_caches(parent)
         group = parent._groups[mesh_dim]
         self._comm = group
         self._groups = [group]
@@ -180,13 +206,14 @@ class DeviceMesh:
 
     def free(self) -> None:
         """Release the mesh's communicators, what is attached to them (NCCL communicators) and
-        every cached plan (:func:`release_on_free`). Collective over the world; idempotent.
-        Using the mesh afterwards raises ``MeshMismatchError``."""
+        the plans cached for it (:func:`cached_per_mesh`; other meshes keep theirs). Collective
+        over the world; idempotent. Using the mesh afterwards raises ``MeshMismatchError``."""
         if self._freed:
             return
         self._freed = True
-        for release in _RELEASES:
-            release()
+        _LIVE.pop(self._identity, None)
+        for attr, _, _ in _PER_MESH:
+            getattr(self, attr).cache_clear()
         if self._owns_comms:
             for comm in (self._comm, *self._groups):
                 if comm != MPI.COMM_NULL:

@@ -45,9 +45,18 @@ step gpu-tests-1-rank 120 $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py
 step gpu-tests-2-ranks-host-staging 120 env DTORCH_GPU_BACKEND=host-staging DTORCH_TEST_ALL_OUTPUT=1 \
   "$MPIEXEC" -n 2 tests/rank_wrapper.sh $PY -m pytest -q -p no:cacheprovider $PYTEST_MPI tests/test_gpu.py
 step gpu-benchmark-2-ranks 60 env DTORCH_GPU_BACKEND=host-staging "$MPIEXEC" -n 2 $PY scripts/bench_gpu.py
+# NCCL backend's reduce_scatter (ncclReduceScatter) and all-to-all (grouped send/recv) against
+# the raw CuPy NCCL calls, one rank per GPU (at most 2): one GPU still runs every NCCL call
+if $PY -c "import cupy.cuda.nccl" 2>/dev/null; then
+  NGPU=$($PY -c "import cupy; print(min(2, cupy.cuda.runtime.getDeviceCount()))")
+  step gpu-nccl-vs-raw 60 env DTORCH_GPU_BACKEND=nccl "$MPIEXEC" -n "$NGPU" $PY scripts/bench_gpu.py --nccl
+else
+  summary+=("gpu-nccl-vs-raw: SKIPPED (cupy.cuda.nccl not available)")
+fi
 
 echo
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
 grep -E "ratio|S\(0\)|P->R" "$LOG/gpu-benchmark-2-ranks.log" 2>/dev/null
-! printf '%s\n' "${summary[@]}" | grep -q FAIL
+grep -E "ratio|nccl" "$LOG/gpu-nccl-vs-raw.log" 2>/dev/null
+! printf '%s\n' "${summary[@]}" | grep -q FAIL && ! grep -q MISMATCH "$LOG/gpu-nccl-vs-raw.log" 2>/dev/null

@@ -75,7 +75,7 @@ class Checker:
 
     def equal(self, got: Any, want: Any, what: str, *, exact: bool = True, rtol: float = 1e-5,
               atol: float = 1e-6) -> None:
-        got_a, want_a = np.asarray(got), np.asarray(want)
+        got_a, want_a = to_numpy(got), to_numpy(want)
         if got_a.shape != want_a.shape:
             self.failures.append(f"{what}: shape {got_a.shape} != {want_a.shape}")
         elif got_a.dtype != want_a.dtype:
@@ -111,6 +111,55 @@ def mesh1d() -> Iterator[dt.DeviceMesh]:
 @pytest.fixture(scope="session")
 def mesh2d() -> Iterator[dt.DeviceMesh]:
     mesh = dt.init_device_mesh("cpu", MESH2D_SHAPES.get(SIZE, (SIZE, 1)), mesh_dim_names=("dp", "tp"))
+    yield mesh
+    mesh.free()
+
+
+def _every_rank_has_a_gpu() -> bool:
+    """CuPy importable and a GPU on every rank (agreed: every rank skips or none does)."""
+    try:
+        import cupy
+
+        mine = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        mine = False
+    return bool(WORLD.allreduce(int(mine), op=MPI.MIN))
+
+
+HAVE_GPU = _every_rank_has_a_gpu()
+NO_GPU = "CuPy array backend: needs CuPy and a GPU on every rank"
+ARRAY_BACKENDS = [pytest.param("cpu", id="numpy"),
+                  pytest.param("cuda", id="cupy", marks=pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU))]
+
+
+def to_numpy(a: Any) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array (or scalar), for comparison with the reference."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+def on_mesh(mesh: dt.DeviceMesh, a: np.ndarray) -> Any:
+    """``a`` in the mesh's array library (a CuPy copy on a cuda mesh)."""
+    if mesh.device_type == "cpu":
+        return a
+    import cupy
+
+    return cupy.asarray(a)
+
+
+@pytest.fixture(scope="session", params=ARRAY_BACKENDS)
+def xp_mesh1d(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
+    """A 1-d mesh per array backend (NumPy on "cpu", CuPy on "cuda"): the op and redistribute
+    tests take it as their ``mesh1d``, so one test body runs over both (CuPy's ``testing``
+    style); the CuPy case skips with one reason where there is no GPU."""
+    mesh = dt.init_device_mesh(request.param, (SIZE,))
+    yield mesh
+    mesh.free()
+
+
+@pytest.fixture(scope="session", params=ARRAY_BACKENDS)
+def xp_mesh2d(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
+    """``mesh2d``'s shape, per array backend (see ``xp_mesh1d``)."""
+    mesh = dt.init_device_mesh(request.param, MESH2D_SHAPES.get(SIZE, (SIZE, 1)), mesh_dim_names=("dp", "tp"))
     yield mesh
     mesh.free()
 

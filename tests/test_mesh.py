@@ -123,11 +123,17 @@ def test_a_new_mesh_never_gets_a_freed_meshs_communicator_or_plan() -> None:
     old_handle = MPI.Comm.py2f(old.get_group(0))
     old_nccl = nccl._nccl(Group(old.get_group(0), 0))
     assert nccl._nccl(Group(old.get_group(0), 0)) is old_nccl  # cached for the communicator's life
-    assert compile_plan.cache_info().currsize > 0 and dt.ops.cache_info().currsize > 0
+    assert old._plans.cache_info().currsize > 0 and old._op_plans.cache_info().currsize > 0
+    other = dt.init_device_mesh("cpu", (SIZE,))  # a live mesh keeps its plans when another is freed
+    z = dt.distribute_tensor(np.arange(7.0), other, [dt.Shard(0)])
+    (z + z).redistribute(placements=target)
+    kept = (other._plans.cache_info().currsize, other._op_plans.cache_info().currsize)
 
     old.free()
     assert destroyed == [old_nccl.id]  # released by free(), not by the garbage collector
-    assert compile_plan.cache_info().currsize == 0 and dt.ops.cache_info().currsize == 0
+    assert old._plans.cache_info().currsize == 0 and old._op_plans.cache_info().currsize == 0
+    assert (other._plans.cache_info().currsize, other._op_plans.cache_info().currsize) == kept and min(kept) > 0
+    other.free()
 
     new = dt.init_device_mesh("cpu", (SIZE,))
     assert new == old  # equal by value: same ranks, shape and names

@@ -22,7 +22,7 @@ from test_redistribute import P1, P2, make_pieces
 from test_redistribute import local_of as local_piece
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import Group, MPIBackend
+from dtorch_mpi.comm import Group
 from dtorch_mpi.split import split_sizes
 
 Call = tuple[str, tuple[Any, ...], Any]  # (method, bytes per buffer argument, root or counts)
@@ -160,6 +160,30 @@ def test_every_rank_makes_the_same_mpi_calls_2d(traced_mesh: dt.DeviceMesh, chec
     check.done()
 
 
+@pytest.mark.parametrize("traced_mesh", [(SIZE,), {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}.get(SIZE, (SIZE, 1))],
+                         indirect=True)
+def test_distribute_tensor_moves_through_the_backend_in_matching_calls(traced_mesh: dt.DeviceMesh,
+                                                                      check: Checker) -> None:
+    """distribute_tensor's scatter runs on the backend's collectives over the mesh-dim groups
+    (the traced communicators see it), with the same calls on every rank of each group."""
+    mesh = traced_mesh
+    layouts = [list(p) for p in itertools.product(P2, repeat=mesh.ndim)]
+    moved = 0
+    for shape in [(n, 3) for n in lengths_for(SIZE)] + [(3, 2 * SIZE + 1)]:
+        full = np.random.default_rng(sum(shape)).integers(-50, 50, size=shape).astype(np.float64)
+        for placements, root in itertools.product(layouts, sorted({0, SIZE - 1})):
+            x = dt.distribute_tensor(full if WORLD.Get_rank() == root else None, mesh, placements, src_data_rank=root)
+            what = f"{shape} {placements} from {root}"
+            moved += sum(len(g.calls) for g in mesh._groups)  # type: ignore[attr-defined]
+            _compare_groups(mesh, what, check)
+            if not any(isinstance(p, dt.Partial) for p in placements):
+                check.equal(x.to_local(), local_piece(full, mesh, placements), what + " piece")
+            check.equal(x.to_torch(), full, what)
+            _compare_groups(mesh, what + " to_torch", check)
+    check.true(SIZE == 1 or moved > 0, "distribute_tensor made no call on the mesh-dim groups")
+    check.done()
+
+
 def test_the_issue_18_reproducer_makes_one_call_kind(mesh1d: dt.DeviceMesh) -> None:
     """(1, 2) at 3 ranks and (1, 3) at 4: a rank moving nothing used to call Alltoall while the
     others called Alltoallv (Intel MPI and Open MPI 4.1 hang)."""
@@ -167,8 +191,8 @@ def test_the_issue_18_reproducer_makes_one_call_kind(mesh1d: dt.DeviceMesh) -> N
     full = np.arange(float(max(SIZE - 1, 1))).reshape(1, -1)
     mine = local_piece(full, mesh1d, [dt.Shard(0)])
     out = np.empty(local_piece(full, mesh1d, [dt.Shard(1)]).shape)
-    got = MPIBackend().all_to_all(Group(comm, 0), mine, out, 1, split_sizes(full.shape[1], SIZE),  # type: ignore[arg-type]
-                                  0, split_sizes(1, SIZE)).wait()
+    got = dt.comm.backend_named("mpi").all_to_all(Group(comm, 0), mine, out, 1, split_sizes(full.shape[1], SIZE),  # type: ignore[arg-type]
+                                                  0, split_sizes(1, SIZE)).wait()
     kinds = WORLD.allgather([c[0] for c in comm.calls])
     assert all(k == kinds[0] for k in kinds), kinds
     assert np.array_equal(got, local_piece(full, mesh1d, [dt.Shard(1)]))

@@ -3,7 +3,8 @@
 Every rule of every tested signature is instantiated (Shard(d) on each dim, real Partial
 terms that differ per rank) and the test asserts that every rule ran. Illegal combinations
 must raise PlacementError on every rank, and the suggested `.redistribute(...)` must make the
-call legal and correct.
+call legal and correct. The generated tests run once per array backend (``xp_mesh1d``:
+NumPy, and CuPy where every rank has a GPU).
 """
 
 from __future__ import annotations
@@ -189,14 +190,14 @@ CASES: dict[Any, Callable[[Op, dt.DeviceMesh], Any]] = {
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
-def test_every_declared_op_every_rule(name: str, mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
+def test_every_declared_op_every_rule(name: str, xp_mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
     """Generated from the declaration: every rule instantiated on uneven and empty shapes, the
     result equal to the op's NumPy reference, no communication, and every rule exercised."""
     op = OPS[name]
     assert op.planner in CASES, f"{name}: no generated cases for planner {op.planner.__name__}"
     ran = refused = 0
-    for inputs, call, want, what in CASES[op.planner](op, mesh1d):
-        args = [value if plc is None else dist(value, mesh1d, plc) for value, plc in inputs]
+    for inputs, call, want, what in CASES[op.planner](op, xp_mesh1d):
+        args = [value if plc is None else dist(value, xp_mesh1d, plc) for value, plc in inputs]
         try:
             with dt.CommCounter() as moved:
                 got = call(args)
@@ -225,9 +226,9 @@ def test_every_declared_op_every_rule(name: str, mesh1d: dt.DeviceMesh, rule_hit
     assert_all_rules_ran(rule_hits, [name])
 
 
-def test_python_operators_and_inplace(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+def test_python_operators_and_inplace(xp_mesh1d: dt.DeviceMesh, check: Checker) -> None:
     A, B = positive((SIZE + 2, 3), 1), positive((SIZE + 2, 3), 2)
-    a, b = dist(A, mesh1d, [dt.Shard(0)]), dist(B, mesh1d, [dt.Shard(0)])
+    a, b = dist(A, xp_mesh1d, [dt.Shard(0)]), dist(B, xp_mesh1d, [dt.Shard(0)])
     for got, want, what in [
         (a + b, A + B, "+"), (a - b, A - B, "-"), (a * b, A * B, "*"), (a / b, A / B, "/"),
         (a // b, A // B, "//"), (a % b, A % B, "%"), (a ** 2, A ** 2, "**"), (-a, -A, "neg"),
@@ -248,7 +249,7 @@ def test_python_operators_and_inplace(mesh1d: dt.DeviceMesh, check: Checker) -> 
     check.equal(c.to_torch(), ((A + B) * 2 - B) / 2, "add_/div_")
     check.done()
     with pytest.raises(dt.PlacementError, match="in-place add would change"):
-        r = dist(A, mesh1d, [dt.Replicate()])
+        r = dist(A, xp_mesh1d, [dt.Replicate()])
         r += a
 
 
@@ -392,16 +393,16 @@ def test_one_bounded_plan_cache_serves_every_operator(mesh1d: dt.DeviceMesh) -> 
     assert dt.ops.cache_info().currsize == 0
 
 
-def test_2d_mesh_each_dim_matched_on_its_own(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+def test_2d_mesh_each_dim_matched_on_its_own(xp_mesh2d: dt.DeviceMesh, check: Checker) -> None:
     A, W = positive((5, 4), 1), positive((4, 3), 2)
     combos = [([dt.Shard(0), dt.Shard(1)], [dt.Replicate(), dt.Shard(0)]),
               ([dt.Shard(0), dt.Replicate()], [dt.Replicate(), dt.Shard(1)]),
               ([dt.Partial(), dt.Shard(1)], [dt.Replicate(), dt.Shard(0)])]
     for pa, pb in combos:
-        y = dist(A, mesh2d, pa) @ dist(W, mesh2d, pb)
+        y = dist(A, xp_mesh2d, pa) @ dist(W, xp_mesh2d, pb)
         check.equal(y.to_torch(), A @ W, f"{pa} @ {pb}", exact=False)
-    s = dist(A, mesh2d, [dt.Shard(0), dt.Shard(0)])
-    check.equal((s + dist(A, mesh2d, [dt.Replicate(), dt.Replicate()])).to_torch(), 2 * A, "nested + R")
+    s = dist(A, xp_mesh2d, [dt.Shard(0), dt.Shard(0)])
+    check.equal((s + dist(A, xp_mesh2d, [dt.Replicate(), dt.Replicate()])).to_torch(), 2 * A, "nested + R")
     check.equal(s.mean(0).to_torch(), A.mean(0), "nested mean", exact=False)
     check.done()
 

@@ -1,5 +1,8 @@
 """redistribute, to_torch and to_torch_async against NumPy on the complete arrays.
 
+The tests taking ``xp_mesh1d``/``xp_mesh2d`` run once per array backend (NumPy, and CuPy
+where every rank has a GPU; skipped with one reason elsewhere: conftest.ARRAY_BACKENDS).
+
 Partial sources are built from pieces whose terms really differ between ranks (exact in
 integers-valued floats), so every reduction is exercised. Runs under both comm paths
 (DTORCH_COMM_PATH=variable|padded) via scripts/run_tests.py.
@@ -12,7 +15,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, Checker, lengths_for
+from conftest import RANK, SIZE, Checker, lengths_for, on_mesh
 
 import dtorch_mpi as dt
 from dtorch_mpi.split import split_sizes
@@ -40,7 +43,7 @@ def make_pieces(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Place
             piece = piece if c == 0 else piece - (c + 1)
         elif p.reduce_op == "min":
             piece = piece if c == 0 else piece + (c + 1)
-    return np.ascontiguousarray(piece.astype(full.dtype))
+    return on_mesh(mesh, np.ascontiguousarray(piece.astype(full.dtype)))
 
 
 def local_of(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
@@ -64,26 +67,26 @@ def run_pairs(mesh: dt.DeviceMesh, pairs: list[tuple[list, list]], shapes: list[
             check.equal(y.to_torch(), full, what)
 
 
-def test_every_pair_on_a_1d_mesh(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+def test_every_pair_on_a_1d_mesh(xp_mesh1d: dt.DeviceMesh, check: Checker) -> None:
     pairs = [([a], [b]) for a, b in itertools.product(P1, P1)]
     shapes = [(n, 3) for n in lengths_for(SIZE)] + [(3, n) for n in lengths_for(SIZE)]
-    run_pairs(mesh1d, pairs, shapes, check)
+    run_pairs(xp_mesh1d, pairs, shapes, check)
     check.done()
 
 
-def test_every_pair_on_a_2d_mesh(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+def test_every_pair_on_a_2d_mesh(xp_mesh2d: dt.DeviceMesh, check: Checker) -> None:
     layouts = [list(p) for p in itertools.product(P2, repeat=2)]
     pairs = [(a, b) for a in layouts for b in layouts]
-    run_pairs(mesh2d, pairs, [(5, 3), (1, 2)], check)
+    run_pairs(xp_mesh2d, pairs, [(5, 3), (1, 2)], check)
     check.done()
 
 
-def test_nested_and_uneven_2d_cases(mesh2d: dt.DeviceMesh, check: Checker) -> None:
+def test_nested_and_uneven_2d_cases(xp_mesh2d: dt.DeviceMesh, check: Checker) -> None:
     S0, S1, R, P = dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial()
     layouts = [[S0, S0], [S1, S1], [S0, S1], [S1, S0], [R, S0], [S0, R], [P, S0], [S0, P], [P, P],
                [dt.Partial("max"), P], [P, dt.Partial("min")]]
     pairs = [(a, b) for a in layouts for b in layouts]
-    run_pairs(mesh2d, pairs, [(0, 4), (3, 1), (7, 5), (2, 9)], check)
+    run_pairs(xp_mesh2d, pairs, [(0, 4), (3, 1), (7, 5), (2, 9)], check)
     check.done()
 
 
@@ -98,7 +101,7 @@ def test_3d_tensors_and_a_3d_mesh(check: Checker) -> None:
 
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "int16", "int32",
                                    "int64", "uint8", "bool", "complex64", "complex128"])
-def test_dtypes_move_and_reduce(dtype: str, mesh1d: dt.DeviceMesh, check: Checker) -> None:
+def test_dtypes_move_and_reduce(dtype: str, xp_mesh1d: dt.DeviceMesh, check: Checker) -> None:
     dt_ = np.dtype(dtype)
     n = 2 * SIZE + 1
     if dt_ == np.bool_:
@@ -112,9 +115,9 @@ def test_dtypes_move_and_reduce(dtype: str, mesh1d: dt.DeviceMesh, check: Checke
     targets = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
     for src in sources:
         if dt_ == np.bool_ and isinstance(src[0], dt.Partial):
-            x = dt.distribute_tensor(full, mesh1d, src)  # the value at coordinate 0, identity elsewhere
+            x = dt.distribute_tensor(full, xp_mesh1d, src)  # the value at coordinate 0, identity elsewhere
         else:
-            x = dt.DTensor.from_local(make_pieces(full, mesh1d, src), mesh1d, src, shape=full.shape)
+            x = dt.DTensor.from_local(make_pieces(full, xp_mesh1d, src), xp_mesh1d, src, shape=full.shape)
         for dst in targets:
             y = x.redistribute(placements=dst)
             check.equal(y.to_torch(), full, f"{dtype} {src} -> {dst}")
@@ -183,11 +186,11 @@ def test_different_mesh_is_a_clear_error(mesh1d: dt.DeviceMesh) -> None:
         x.redistribute(placements=[dt.Replicate(), dt.Replicate()])
 
 
-def test_async_redistribute_and_gather(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
+def test_async_redistribute_and_gather(xp_mesh1d: dt.DeviceMesh, xp_mesh2d: dt.DeviceMesh, check: Checker) -> None:
     layouts = [[dt.Shard(0), dt.Shard(1)], [dt.Partial(), dt.Shard(0)], [dt.Shard(0), dt.Shard(0)]]
-    run_pairs(mesh2d, [(a, b) for a in layouts for b in layouts], [(6, 5)], check, async_op=True)
+    run_pairs(xp_mesh2d, [(a, b) for a in layouts for b in layouts], [(6, 5)], check, async_op=True)
     full = integer_full((64, 33))
-    x = dt.DTensor.from_local(make_pieces(full, mesh1d, [dt.Partial()]), mesh1d, [dt.Partial()],
+    x = dt.DTensor.from_local(make_pieces(full, xp_mesh1d, [dt.Partial()]), xp_mesh1d, [dt.Partial()],
                               shape=full.shape)
     handle = x.to_torch_async()
     del x
@@ -198,9 +201,9 @@ def test_async_redistribute_and_gather(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceM
         polls += 1
     check.equal(handle.wait(), full, "to_torch_async")
     check.true(handle.done() and busy > 0, "done() after wait()")
-    pending = dt.distribute_tensor(full, mesh1d, [dt.Shard(1)]).redistribute(
+    pending = dt.distribute_tensor(full, xp_mesh1d, [dt.Shard(1)]).redistribute(
         placements=[dt.Shard(0)], async_op=True)
-    check.equal(pending.to_local(), local_of(full, mesh1d, [dt.Shard(0)]), "async S1->S0 piece")
+    check.equal(pending.to_local(), local_of(full, xp_mesh1d, [dt.Shard(0)]), "async S1->S0 piece")
     check.done()
 
 

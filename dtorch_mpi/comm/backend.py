@@ -1,5 +1,6 @@
 """The backend contract (what every collective backend provides) and the one registry of
-backends. docs/backends.md explains the contract and how to add a backend."""
+backends, which hands each out wrapped in the shared prologue (comm/prologue.py).
+docs/backends.md explains the contract and how to add a backend."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from .group import Group
+from .prologue import Prologued
 
 
 class Handle(Protocol):
@@ -35,12 +37,22 @@ class Backend(Protocol):
       every rank makes the same call; comm/routes.py is the MPI backend's route choice.
     - ``async_op=True`` returns a handle whose transfer proceeds while the caller works; the
       result is only read after ``wait()``. ``async_op=False`` returns a finished handle.
-    - Accounting: each call that moves data records itself once (``counter.record``) and, in
-      SPMD debug mode (``config.spmd_debug()``), first checks that the whole group makes the
-      same call (``check_same_call``); a group of one rank or all-empty buffers move nothing.
+    - Prologue: ``backend_named`` wraps every backend in ``prologue.Prologued``, which does
+      for each call what is common to all backends (start-order hook, SPMD debug check,
+      the group-of-one and all-empty shortcuts, ``counter.record``, waiting a blocking call
+      under the deadline). A method is therefore entered only for a group of two or more
+      ranks with something to move, and with ``async_op=False`` may return an unfinished
+      handle (the prologue waits on it).
     """
 
     name: str
+
+    def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
+        """``(the call this backend makes, whether it pads)`` for collective ``kind`` (a method
+        name) with ``send``/``out`` and the group-wide ``facts`` (its other arguments by name:
+        ``axis sizes``, ``split concat split_sizes concat_sizes``, ``op``, ``root``). Named in
+        the SPMD debug check and the ``CommCounter`` record; a function of group-wide facts."""
+        ...
 
     def all_gather(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
                    async_op: bool = False) -> Handle:
@@ -85,12 +97,13 @@ def register_backend(name: str, factory: Callable[[], Backend], device_type: str
 
 
 def backend_named(name: str) -> Backend:
-    """The process's one instance of backend ``name`` (made on first use)."""
+    """The process's one instance of backend ``name`` (made on first use), wrapped in the
+    prologue: ``.inner`` is the backend's own object."""
     backend = _INSTANCES.get(name)
     if backend is None:
         if name not in _FACTORIES:
             raise ValueError(f"no communication backend named {name!r}; known: {', '.join(sorted(_FACTORIES))}")
-        backend = _INSTANCES[name] = _FACTORIES[name]()
+        backend = _INSTANCES[name] = Prologued(_FACTORIES[name]())
     return backend
 
 

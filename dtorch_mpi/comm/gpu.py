@@ -19,12 +19,11 @@ from mpi4py import MPI
 
 from .._mpi import library_world, ranks_on_node
 from .backend import backends_for
-from .counter import record
 from .group import Group
-from .layout import offsets, view3, with_dim
+from .layout import offsets, view3
 from .lifetime import CommAttached
-from .mpi_backend import MPIBackend
-from .work import Work, completed, moves_nothing
+from .mpi_backend import MPIBackend, _pack_by_destination
+from .work import Work, completed
 
 
 # --- selection -----------------------------------------------------------------------------
@@ -150,6 +149,9 @@ class HostStagingBackend:
     def _host_out(self, out: Any) -> np.ndarray:
         return np.empty(out.shape, dtype=out.dtype)
 
+    def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
+        return self.inner.call_for(kind, send, out, facts)
+
     def _back(self, out: Any) -> Callable[[Any], Any]:
         def finish(host: np.ndarray) -> Any:
             out[...] = self.adapter.to_device(np.asarray(host), out)
@@ -236,9 +238,37 @@ def padded_plan(sizes: Sequence[int], inner: int) -> tuple[int, list[tuple[int, 
     return block, [(n * inner, i * block, o * inner) for i, (n, o) in enumerate(zip(sizes, offsets(sizes)))]
 
 
+_NCCL_CALLS = {"all_gather": "allGather", "all_to_all": "send/recv", "all_reduce": "allReduce",
+               "reduce_scatter": "reduceScatter", "broadcast": "bcast", "scatter": "send/recv"}
+
+
+def _nccl_op(reduce_op: str, dtype: Any) -> Any:
+    """The NCCL reduction for ``reduce_op`` on ``dtype`` (bool: any/all as max/min on uint8)."""
+    from cupy.cuda import nccl
+
+    if np.dtype(dtype) == np.bool_:
+        return nccl.NCCL_MIN if reduce_op == "min" else nccl.NCCL_MAX
+    return {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[reduce_op]
+
+
+def _flat_blocks(a: Any, axis: int, sizes: Sequence[int]) -> list[Any]:
+    """Block ``j`` (``sizes[j]`` long on ``axis``) of ``a`` as a contiguous 1-d array: a view
+    when the blocks are contiguous already (nothing above ``axis``), else a copy."""
+    import cupy
+
+    outer, _, inner = view3(a.shape, axis)
+    if outer == 1:
+        flat = cupy.ascontiguousarray(a).reshape(-1)
+        return [flat[o * inner : (o + n) * inner] for n, o in zip(sizes, offsets(sizes))]
+    return [cupy.ascontiguousarray(a[(slice(None),) * axis + (slice(o, o + n),)]).reshape(-1)
+            for n, o in zip(sizes, offsets(sizes))]
+
+
 class NCCLBackend:
     """NCCL through ``cupy.cuda.nccl``: one communicator per mesh-dim group (its unique id
-    broadcast over MPI), equal-size collectives with padding, work on the current stream."""
+    broadcast over MPI), work enqueued on the current stream. ``ncclAllGather`` and
+    ``ncclReduceScatter`` pad uneven blocks to the largest; all-to-all and scatter are grouped
+    ``ncclSend``/``ncclRecv`` of each block (no padding, no broadcast of the whole array)."""
 
     name = "nccl"
 
@@ -246,6 +276,10 @@ class NCCLBackend:
         # attached to the group's MPI communicator: released when the mesh frees it, never
         # handed to a new communicator that MPI gives the freed one's handle
         self._comms: CommAttached[Any] = CommAttached("an NCCL communicator", lambda c: c.destroy())
+
+    def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
+        sizes = facts.get("sizes", ())
+        return _NCCL_CALLS[kind], kind in ("all_gather", "reduce_scatter") and len(set(sizes)) > 1
 
     def _nccl(self, group: Group) -> Any:
         return self._comms.get(group.comm, lambda: self._create(group))
@@ -273,20 +307,22 @@ class NCCLBackend:
     def _wire(a: Any, reducing: bool) -> tuple[Any, int]:
         from cupy.cuda import nccl
 
-        wire, _ = nccl_wire(a.dtype, reducing)
+        wire, per = nccl_wire(a.dtype, reducing)
         flat = a.reshape(-1)
-        if wire != a.dtype:
-            flat = flat.view(wire) if wire.itemsize != a.dtype.itemsize or not reducing else flat.astype(wire)
+        if wire != a.dtype:  # bytes or float pairs are views; a reduction widens by a copy
+            flat = flat.view(wire) if per > 1 or not reducing else flat.astype(wire)
         return flat, getattr(nccl, NCCL_TYPES[wire.name])
+
+    @staticmethod
+    def _unwire(wire: Any, dtype: Any) -> Any:
+        """A reduced wire buffer back in ``dtype`` (complex pairs viewed, widened ints narrowed)."""
+        return wire.view(dtype) if np.dtype(dtype).kind == "c" else wire.astype(dtype, copy=False)
 
     def all_gather(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int], async_op: bool = False) -> Any:
         import cupy
 
         m = group.size
-        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
-            return done
         outer, length, inner = view3(out.shape, axis)
-        record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes, len(set(sizes)) > 1, async_op)
         block, plan = padded_plan(sizes, inner)
         pad_send = cupy.zeros((outer, block), dtype=out.dtype)
         pad_send[:, : send.size // max(outer, 1)] = cupy.ascontiguousarray(send).reshape(outer, -1)
@@ -301,84 +337,133 @@ class NCCLBackend:
             dst[:, o : o + n, :] = pad_out[i, :, :count].reshape(outer, n, inner)
         return completed(out)
 
+    @staticmethod
+    def _nan_mask(wire: Any, reduce_op: str, dtype: Any, count: int, call: Callable[[Any, Any, int], None]) -> Any:
+        """NCCL's max/min drop NaN, NumPy's keep it: the ``count`` results where any rank had a
+        NaN, by ``call(send_mask, recv_mask, count)`` (a uint8 max); None when not needed."""
+        import cupy
+
+        if reduce_op not in ("max", "min") or np.dtype(dtype).kind != "f":
+            return None
+        nan = cupy.isnan(wire).astype(np.uint8)
+        got = cupy.empty(count, dtype=np.uint8)
+        call(nan, got, count)
+        return got.astype(bool)
+
     def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False) -> Any:
         import cupy
         from cupy.cuda import nccl
 
         m = group.size
-        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
-            return done
-        record("all_reduce", group.mesh_dim, send.nbytes, out.nbytes, False, async_op)
-        wire, _ = nccl_wire(out.dtype, True)
-        src = cupy.ascontiguousarray(send).astype(wire, copy=False) if out.dtype.kind != "c" else \
-            cupy.ascontiguousarray(send).view(wire)
+        src, code = self._wire(cupy.ascontiguousarray(send), True)
         dst = cupy.empty_like(src)
-        op = {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[reduce_op]
-        if out.dtype == np.bool_:
-            op = {"sum": nccl.NCCL_MAX, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN, "avg": nccl.NCCL_MAX}[reduce_op]
-        self._nccl(group).allReduce(src.data.ptr, dst.data.ptr, src.size,
-                                    getattr(nccl, NCCL_TYPES[wire.name]), op, self._stream())
-        if reduce_op in ("max", "min") and out.dtype.kind == "f":  # NCCL max/min drop NaN; NumPy keeps it
-            nan = cupy.isnan(src).astype(np.uint8)
-            self._nccl(group).allReduce(nan.data.ptr, nan.data.ptr, nan.size, nccl.NCCL_UINT8, nccl.NCCL_MAX,
-                                        self._stream())
-            dst[nan.astype(bool)] = np.nan
+        comm, stream = self._nccl(group), self._stream()
+        comm.allReduce(src.data.ptr, dst.data.ptr, src.size, code, _nccl_op(reduce_op, out.dtype), stream)
+
+        def any_rank(a: Any, b: Any, n: int) -> None:
+            comm.allReduce(a.data.ptr, b.data.ptr, n, nccl.NCCL_UINT8, nccl.NCCL_MAX, stream)
+
+        if (nan := self._nan_mask(src, reduce_op, out.dtype, src.size, any_rank)) is not None:
+            dst[nan] = np.nan
         if reduce_op == "avg":
             dst = dst // m if dst.dtype.kind in "iu" else dst / m
-        out[...] = (dst.view(out.dtype) if out.dtype.kind == "c" else dst.astype(out.dtype)).reshape(out.shape)
+        out[...] = self._unwire(dst, out.dtype).reshape(out.shape)
         return completed(out)
 
     def reduce_scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
                        reduce_op: str, async_op: bool = False) -> Any:
+        """``ncclReduceScatter`` on blocks padded to the largest (rank order along ``axis``)."""
         import cupy
+        from cupy.cuda import nccl
 
-        full = cupy.empty(send.shape, dtype=send.dtype)
-        self.all_reduce(group, send, full, reduce_op)
-        o = offsets(sizes)[group.rank]
-        out[...] = full[(slice(None),) * axis + (slice(o, o + sizes[group.rank]),)]
+        m, me = group.size, group.rank
+        outer, length, inner = view3(send.shape, axis)
+        width = max(sizes)
+        if outer == 1 and len(set(sizes)) == 1:
+            pack = cupy.ascontiguousarray(send).reshape(-1)  # already in destination order
+        else:
+            src3 = cupy.ascontiguousarray(send).reshape(outer, length, inner)
+            pack = _pack_by_destination(src3, sizes, width, out.dtype)
+        src, code = self._wire(pack, True)
+        count = src.size // m
+        dst = cupy.empty(count, dtype=src.dtype)
+        comm, stream = self._nccl(group), self._stream()
+        comm.reduceScatter(src.data.ptr, dst.data.ptr, count, code, _nccl_op(reduce_op, out.dtype), stream)
+
+        def any_rank(a: Any, b: Any, n: int) -> None:
+            comm.reduceScatter(a.data.ptr, b.data.ptr, n, nccl.NCCL_UINT8, nccl.NCCL_MAX, stream)
+
+        if (nan := self._nan_mask(src, reduce_op, out.dtype, count, any_rank)) is not None:
+            dst[nan] = np.nan
+        if reduce_op == "avg":
+            dst = dst // m if dst.dtype.kind in "iu" else dst / m
+        got = self._unwire(dst, out.dtype).reshape(outer, width, inner)[:, : sizes[me], :]
+        out[...] = got.reshape(out.shape)
         return completed(out)
 
     def all_to_all(self, group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
                    concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Any:
+        """Grouped ``ncclSend``/``ncclRecv``: block ``j`` straight to rank ``j``; received
+        blocks land in ``out`` directly when they are contiguous there."""
+        import cupy
         from cupy.cuda import nccl
 
-        m = group.size
-        if (done := moves_nothing(m, send, out)) is not None:
-            return done
-        record("all_to_all", group.mesh_dim, send.nbytes, out.nbytes, True, async_op)
-        comm = self._nccl(group)
-        stream = self._stream()
-        send_blocks, recv_blocks = [], []
-        for n, o in zip(split_sizes, offsets(split_sizes)):
-            send_blocks.append(send[(slice(None),) * split_axis + (slice(o, o + n),)].copy())
-        for n in concat_sizes:
-            recv_blocks.append(out[(slice(None),) * concat_axis + (slice(0, n),)].copy())
+        me = group.rank
+        sends = _flat_blocks(send, split_axis, split_sizes)
+        direct = view3(out.shape, concat_axis)[0] == 1 and out.flags.c_contiguous
+        per_row = out.size // max(out.shape[concat_axis], 1)
+        recvs = _flat_blocks(out, concat_axis, concat_sizes) if direct else \
+            [cupy.empty(n * per_row, dtype=out.dtype) for n in concat_sizes]
+        recvs[me][...] = sends[me]  # own block: a device copy, not a message
+        comm, stream = self._nccl(group), self._stream()
         nccl.groupStart()
-        for j in range(m):
-            sb, st = self._wire(send_blocks[j], False)
-            rb, rt = self._wire(recv_blocks[j], False)
-            comm.send(sb.data.ptr, sb.size, st, j, stream)
-            comm.recv(rb.data.ptr, rb.size, rt, j, stream)
-        nccl.groupEnd()
-        for j, (n, o) in enumerate(zip(concat_sizes, offsets(concat_sizes))):
-            out[(slice(None),) * concat_axis + (slice(o, o + n),)] = recv_blocks[j]
+        try:
+            for j in range(group.size):
+                if j != me and sends[j].size:
+                    sb, st = self._wire(sends[j], False)
+                    comm.send(sb.data.ptr, sb.size, st, j, stream)
+                if j != me and recvs[j].size:
+                    rb, rt = self._wire(recvs[j], False)
+                    comm.recv(rb.data.ptr, rb.size, rt, j, stream)
+        finally:
+            nccl.groupEnd()
+        if not direct:
+            for block, n, o in zip(recvs, concat_sizes, offsets(concat_sizes)):
+                shape = list(out.shape)
+                shape[concat_axis] = n
+                out[(slice(None),) * concat_axis + (slice(o, o + n),)] = block.reshape(shape)
         return completed(out)
 
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Any:
-        if (done := moves_nothing(group.size, buf, buf, buf.size == 0)) is not None:
-            return done
         flat, t = self._wire(buf, False)
         self._nccl(group).bcast(flat.data.ptr, flat.size, t, root, self._stream())
         return completed(buf)
 
     def scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int], root: int,
                 async_op: bool = False) -> Any:
+        """Grouped ``ncclSend`` of block ``j`` from the root to rank ``j``."""
         import cupy
+        from cupy.cuda import nccl
 
-        full = send if group.rank == root else cupy.empty(with_dim(out.shape, axis, sum(sizes)), dtype=out.dtype)
-        self.broadcast(group, full, root)
-        o = offsets(sizes)[group.rank]
-        out[...] = full[(slice(None),) * axis + (slice(o, o + sizes[group.rank]),)]
+        me = group.rank
+        mine = cupy.empty(out.size, dtype=out.dtype)
+        comm, stream = self._nccl(group), self._stream()
+        if me == root:
+            blocks = _flat_blocks(send, axis, sizes)
+            mine[...] = blocks[me]
+        nccl.groupStart()
+        try:
+            if me == root:
+                for j, block in enumerate(blocks):
+                    if j != me and block.size:
+                        sb, st = self._wire(block, False)
+                        comm.send(sb.data.ptr, sb.size, st, j, stream)
+            elif mine.size:
+                rb, rt = self._wire(mine, False)
+                comm.recv(rb.data.ptr, rb.size, rt, root, stream)
+        finally:
+            nccl.groupEnd()
+        out[...] = mine.reshape(out.shape)
         return completed(out)
 
 

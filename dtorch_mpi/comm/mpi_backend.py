@@ -17,14 +17,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import WIDENED, element_type, reduction_type
-from .config import comm_path, spmd_debug
-from .counter import record
+from .config import comm_path
 from .deadline import collective_timeout
 from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
 from .routes import Route, all_to_all_route, gather_route
-from .work import Work, collective_starting, completed, moves_nothing, reap
+from .work import Work, reap
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -56,40 +55,10 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
     return _cached_type(("vec", itemsize, outer, block, stride), make)
 
 
-_DEBUG_BYTES = 512
-
 PADDED_GATHER_BYTES = 32 << 20
 """``auto`` path: from this output size on, an uneven contiguous gather uses the padded
 ``Allgather`` and compacts in place (MPICH's ``Allgatherv`` is faster below it and slower
 above: 1.9x vs 1.3x of raw at 64 MB on 2 ranks, 1.8x vs 0.95x on 4; scripts/bench_redistribute.py)."""
-
-
-def check_same_call(group: Group, description: str) -> None:
-    """SPMD debug mode: all ranks of ``group`` must be making the same collective call."""
-    if group.size == 1:
-        return
-    collective_starting()
-    mine = np.zeros(_DEBUG_BYTES, dtype=np.uint8)
-    raw = description.encode()[:_DEBUG_BYTES]
-    mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    table = np.empty((group.size, _DEBUG_BYTES), dtype=np.uint8)
-    group.comm.Allgather(mine, table)
-    calls = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
-    if len(set(calls)) > 1:
-        from ..errors import SPMDDivergenceError
-
-        dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
-        raise SPMDDivergenceError(
-            f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"
-            + "\n".join(f"  group rank {r}: {c}" for r, c in enumerate(calls))
-            + "\nEvery rank must run the same sequence of collective operations."
-        )
-
-
-def _describe(kind: str, *arrays: Any, **extra: Any) -> str:
-    shapes = ", ".join(f"{tuple(a.shape)}:{a.dtype}" for a in arrays if a is not None)
-    more = "".join(f", {k}={v}" for k, v in extra.items())
-    return f"{kind}({shapes}{more})"
 
 
 def _xp(a: Any) -> Any:
@@ -116,10 +85,41 @@ def _contiguous(a: Any) -> Any:
     return a if a.flags.c_contiguous else _xp(a).ascontiguousarray(a)
 
 
+def _gather_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
+    route = gather_route(path, facts["sizes"], view3(out.shape, facts["axis"])[0], out.nbytes, PADDED_GATHER_BYTES)
+    return route.value, route.padded
+
+
+def _all_to_all_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
+    route = all_to_all_route(path, send.shape, facts["split"], facts["split_sizes"], facts["concat"],
+                             facts["concat_sizes"])
+    return route.value, route.padded
+
+
+def _reduce_scatter_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
+    block = path == "padded" and len(set(facts["sizes"])) > 1
+    return ("Reduce_scatter_block", True) if block else ("Reduce_scatter", False)
+
+
+_CALLS: dict[str, Callable[[Any, Any, dict[str, Any], str], tuple[str, bool]]] = {
+    "all_gather": _gather_call,
+    "all_to_all": _all_to_all_call,
+    "all_reduce": lambda send, out, facts, path: ("Allreduce", False),
+    "reduce_scatter": _reduce_scatter_call,
+    "broadcast": lambda send, out, facts, path: ("Bcast", False),
+    "scatter": lambda send, out, facts, path: ("Scatter", True) if path == "padded" else ("Scatterv", False),
+}
+
+
 class MPIBackend:
-    """Collectives over one mesh dim's communicator on NumPy buffers."""
+    """Collectives over one mesh dim's communicator on NumPy buffers. Entered through the
+    prologue (comm/prologue.py): groups of two or more ranks with something to move."""
 
     name = "mpi"
+
+    def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
+        """The MPI call (route) made for a collective and whether it pads (comm/routes.py)."""
+        return _CALLS[kind](send, out, facts, comm_path())
 
     # -- helpers -------------------------------------------------------------------------
     @staticmethod
@@ -131,14 +131,12 @@ class MPIBackend:
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
     ) -> Work:
-        """Start the collective: nonblocking when asked, or when the deadline is on (then
-        waited here, bounded by it); a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
-        collective_starting()
+        """Start the collective: nonblocking when asked, or when the deadline is on (the
+        prologue then waits, bounded by it); a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
         reap()
         _sync_device(keep)
         if async_op or collective_timeout() > 0:
-            work = Work(nonblocking(), finish, keep, what)
-            return work if async_op else _waited(work)
+            return Work(nonblocking(), finish, keep, what)
         blocking()
         return Work(None, finish)
 
@@ -156,15 +154,10 @@ class MPIBackend:
         m = group.size
         outer, length, inner = view3(out.shape, axis)
         route = gather_route(comm_path(), sizes, outer, out.nbytes, PADDED_GATHER_BYTES)
-        if spmd_debug():
-            check_same_call(group, _describe("all_gather", out, axis=axis, sizes=tuple(sizes), mpi=route.value))
-        if (done := moves_nothing(m, send, out, route is Route.NOTHING)) is not None:
-            return done
         send = _contiguous(send)
         item = out.dtype.itemsize
         etype = element_type(item)
         offs = offsets(sizes)
-        record("all_gather", group.mesh_dim, send.nbytes, out.nbytes - send.nbytes, route.padded, async_op)
         comm = group.comm
         if route is Route.GATHER_EQUAL:
             count = sizes[0] * inner
@@ -272,24 +265,12 @@ class MPIBackend:
     ) -> Work:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
-        m, me = group.size, group.rank
+        m = group.size
         route = all_to_all_route(comm_path(), send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
-        if spmd_debug():
-            check_same_call(group, _describe("all_to_all", None, split=split_axis, concat=concat_axis,
-                                             dtype=out.dtype, split_sizes=tuple(split_sizes),
-                                             concat_sizes=tuple(concat_sizes), mpi=route.value))
-        if (done := moves_nothing(m, send, out)) is not None:
-            return done
         send = _contiguous(send)
         item = out.dtype.itemsize
         etype = element_type(item)
         s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
-        own_send = send.nbytes // max(send.shape[split_axis], 1) * split_sizes[me] if send.size else 0
-        own_recv = out.nbytes // max(out.shape[concat_axis], 1) * concat_sizes[me] if out.size else 0
-        record("all_to_all", group.mesh_dim, send.nbytes - own_send, out.nbytes - own_recv,
-               route.padded, async_op)
-        if route is Route.NOTHING:
-            return completed(out)
         padded = route is Route.A2A_PADDED
         comm = group.comm
         send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
@@ -351,12 +332,7 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
-        if spmd_debug():
-            check_same_call(group, _describe("all_reduce", out, op=reduce_op, mpi="Allreduce"))
         m = group.size
-        if (done := moves_nothing(m, send, out, out.size == 0)) is not None:
-            return done
-        record("all_reduce", group.mesh_dim, send.nbytes, out.nbytes, False, async_op)
         wide = WIDENED.get(out.dtype)
         src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
         dst = out if wide is None else _xp(out).empty(out.shape, dtype=wide)
@@ -389,18 +365,8 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """Reduce every rank's ``send``; rank ``i`` keeps block ``i`` along ``axis`` in ``out``."""
-        if spmd_debug():
-            block = comm_path() == "padded" and len(set(sizes)) > 1
-            check_same_call(group, _describe("reduce_scatter", send, axis=axis, op=reduce_op, sizes=tuple(sizes),
-                                             mpi="Reduce_scatter_block" if block else "Reduce_scatter"))
         m, me = group.size, group.rank
-        if (done := moves_nothing(m, send, out)) is not None:
-            return done
         outer, length, inner = view3(send.shape, axis)
-        record("reduce_scatter", group.mesh_dim, send.nbytes - out.nbytes,
-               (m - 1) * out.nbytes, comm_path() == "padded", async_op)
-        if send.size == 0:
-            return completed(out)
         wide = WIDENED.get(out.dtype)
         dtype = wide or out.dtype
         mtype, op = reduction_type(dtype), nan_aware_op(dtype, reduce_op, _xp(out) is np)
@@ -436,13 +402,6 @@ class MPIBackend:
     # -- one-to-all ----------------------------------------------------------------------
     def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
         """Copy ``buf`` from group rank ``root`` to every rank, in place."""
-        if spmd_debug():
-            check_same_call(group, _describe("broadcast", buf, root=root, mpi="Bcast"))
-        if (done := moves_nothing(group.size, buf, buf, buf.size == 0)) is not None:
-            return done
-        me = group.rank
-        record("broadcast", group.mesh_dim, buf.nbytes * (group.size - 1) if me == root else 0,
-               0 if me == root else buf.nbytes, False, async_op)
         etype = element_type(buf.dtype.itemsize)
         comm = group.comm
         return self._run(
@@ -464,24 +423,17 @@ class MPIBackend:
         async_op: bool = False,
     ) -> Work:
         """Rank ``i`` receives block ``i`` along ``axis`` of the root's ``send``."""
-        if spmd_debug():
-            check_same_call(group, _describe("scatter", None, axis=axis, root=root, dtype=out.dtype, sizes=tuple(sizes),
-                                             mpi="Scatter" if comm_path() == "padded" else "Scatterv"))
-        m, me = group.size, group.rank
-        if (done := moves_nothing(m, send, out)) is not None:
-            return done
+        me = group.rank
         item = out.dtype.itemsize
         etype = element_type(item)
-        record("scatter", group.mesh_dim,
-               (send.nbytes - out.nbytes) if me == root and send is not None else 0,
-               0 if me == root else out.nbytes, comm_path() == "padded", async_op)
         padded = comm_path() == "padded"
         width = max(sizes)
         if me == root:
             assert send is not None
             outer, length, inner = view3(send.shape, axis)
             src3 = _xp(out).ascontiguousarray(send).reshape(outer, length, inner)
-            pack = _pack_by_destination(src3, sizes, width if padded else None, out.dtype)
+            pack = src3.reshape(-1) if outer == 1 and not padded else \
+                _pack_by_destination(src3, sizes, width if padded else None, out.dtype)  # blocks in rank order already
         else:
             outer, _, inner = view3(out.shape, axis)
             pack = _xp(out).empty(0, dtype=out.dtype)
@@ -508,11 +460,6 @@ class MPIBackend:
 def _what(kind: str, group: Group) -> str:
     dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
     return f"{kind}{dim} ({group.size} ranks)"
-
-
-def _waited(work: Work) -> Work:
-    work.wait()
-    return work
 
 
 def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dtype: Any) -> Any:

@@ -132,13 +132,3 @@ class Work:
 
 def completed(result: Any) -> Work:
     return Work(None, lambda: result)
-
-
-def moves_nothing(group_size: int, send: Any, out: Any, empty: bool = False) -> Work | None:
-    """The finished collective when no data has to move (a group of one rank copies ``send``
-    into ``out``; ``empty`` means every rank's buffers are empty), else None."""
-    if group_size == 1:
-        if send is not out:
-            out[...] = send
-        return completed(out)
-    return completed(out) if empty else None

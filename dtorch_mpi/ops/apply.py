@@ -1,8 +1,9 @@
 """Applying an operator: operands -> cached plan -> prepared local inputs -> kernel -> ``finish``.
 
 One path per operator family; every path ends in ``finish``, the single point where an
-operator's output DTensor is built (autograd records there). Plans come from ONE bounded
-cache shared by every operator (``plan_for``; ``cache_info``/``clear_plan_cache``).
+operator's output DTensor is built (autograd records there). Plans come from one bounded
+cache per mesh shared by every operator (``plan_for``; ``cache_info``/``clear_plan_cache``);
+``DeviceMesh.free()`` empties only that mesh's.
 
 Operand rules: a Python or NumPy scalar acts as a ``Replicate`` value (so ``P + 1`` is an error
 and ``P * 2`` is fine); a plain NumPy/CuPy array operand is a ``TypeError`` (make it a DTensor
@@ -14,7 +15,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from functools import lru_cache, partial
+from functools import partial
 from math import prod
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -25,7 +26,7 @@ from ..autograd.function import needs_recording, record_op, version_of
 from ..autograd.grad_mode import _GradMode
 from ..dtensor import DTensor
 from ..errors import PlacementError
-from ..mesh import release_on_free
+from ..mesh import cached_per_mesh, live_caches
 from ..redistribute import run_compiled
 from ..spec import DTensorSpec
 from .dispatch import INFERENCE_CACHE_SIZE, OpPlan
@@ -44,11 +45,19 @@ def _resolve_kernel(op: Op, xp: Any) -> Callable[..., Any]:
     return partial(op.kernel, xp)
 
 
-@lru_cache(maxsize=INFERENCE_CACHE_SIZE)
 def plan_for(op: Op, specs: tuple[DTensorSpec | None, ...], params: tuple[Any, ...]) -> OpPlan:
     """The plan of ``op`` on these input specs and hashable parameters, built once (metadata
-    only) with the op's kernel resolved for the mesh's array library. ``DeviceMesh.free()``
-    empties the cache, so a freed mesh always reaches this check."""
+    only) with the op's kernel resolved for the mesh's array library, and cached in the mesh of
+    the first DTensor input (``mesh._op_plans``; ``DeviceMesh.free()`` empties it, so a freed
+    mesh always reaches the check below)."""
+    for spec in specs:
+        if spec is not None:
+            return spec.mesh._op_plans(op, specs, params)  # type: ignore[no-any-return]
+    raise TypeError(f"{op.name}: no DTensor input")
+
+
+@cached_per_mesh("_op_plans", maxsize=INFERENCE_CACHE_SIZE)
+def _plan_for(op: Op, specs: tuple[DTensorSpec | None, ...], params: tuple[Any, ...]) -> OpPlan:
     for spec in specs:
         if spec is not None:
             spec.mesh._check_alive()
@@ -64,16 +73,16 @@ class CacheInfo(NamedTuple):
 
 
 def cache_info() -> CacheInfo:
-    """Hits, misses, bound and size of the shared plan cache."""
-    info = plan_for.cache_info()
-    return CacheInfo(info.hits, info.misses, info.maxsize or 0, info.currsize)
+    """Hits, misses, per-mesh bound and size of the operator plan caches of every live mesh."""
+    infos = [cache.cache_info() for cache in live_caches("_op_plans")]
+    return CacheInfo(sum(i.hits for i in infos), sum(i.misses for i in infos), INFERENCE_CACHE_SIZE,
+                     sum(i.currsize for i in infos))
 
 
-@release_on_free
 def clear_plan_cache() -> None:
-    """Drop every cached operator plan (they hold their meshes); every ``DeviceMesh.free()``
-    does."""
-    plan_for.cache_clear()
+    """Drop every live mesh's cached operator plans (``DeviceMesh.free()`` drops its own)."""
+    for cache in live_caches("_op_plans"):
+        cache.cache_clear()
 
 
 # --- the one application point --------------------------------------------------------------
@@ -170,7 +179,8 @@ def binary(op: Op, *methods: str, reflected: tuple[str, ...] = (), inplace: tupl
     def fn(a: Operand, b: Operand, /) -> DTensor:
         sa = a._spec if type(a) is DTensor else spec_of(a, name)
         sb = b._spec if type(b) is DTensor else spec_of(b, name)
-        plan = plan_for(op, (sa, sb), ())
+        first = sa if sa is not None else sb  # plan_for inlined: the mesh's cache, one call less
+        plan = plan_for(op, (sa, sb), ()) if first is None else first.mesh._op_plans(op, (sa, sb), ())
         pa, pb = plan.prepare
         if sa is not None:
             la = a._local if a._pending is None else a.to_local()  # type: ignore[union-attr]

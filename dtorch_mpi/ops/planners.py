@@ -1,6 +1,6 @@
 """Plan builders, one per operator family: output shape and DimMap from the input specs and
 the op's (hashable) parameters, then signature inference. Metadata only; cached by
-``apply.plan_for`` under one shared bound.
+``apply.plan_for`` in one bounded cache per mesh.
 """
 
 from __future__ import annotations

@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from ..comm import Backend, Group, Handle, backend_for, completed
 from ..comm.work import before_collective
-from ..mesh import release_on_free
+from ..mesh import cached_per_mesh
 from ..placement import Placement
 from ..split import local_shape_and_offset, split_range, split_sizes
 from .planner import StepKind, plan_redistribute
@@ -105,12 +104,17 @@ _STEPS: dict[StepKind, _StepRule] = {
 }
 
 
-@lru_cache(maxsize=4096)
 def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> CompiledPlan:
     """The redistribute from ``spec`` to ``target`` placements, compiled for this rank and
-    cached on (source spec, target placements): metadata only. Specs compare their meshes
-    by object, and ``DeviceMesh.free()`` empties this cache, so a plan (and the communicators
-    it holds) serves only the live mesh it was compiled for."""
+    cached on (source spec, target placements) in the spec's mesh (``mesh._plans``): metadata
+    only. Specs compare their meshes by object, and ``DeviceMesh.free()`` empties that mesh's
+    cache, so a plan (and the communicators it holds) serves only the live mesh it was
+    compiled for, while other meshes keep theirs."""
+    return spec.mesh._plans(spec, target)  # type: ignore[no-any-return]
+
+
+@cached_per_mesh("_plans", maxsize=4096)
+def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> CompiledPlan:
     mesh = spec.mesh
     mesh._check_alive()
     out_spec = spec.with_placements(target)
@@ -129,9 +133,6 @@ def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compiled
         compiled.append(CompiledStep(step.kind, group, args, out_shape))
         placements, shape = after, out_shape
     return CompiledPlan(out_spec, tuple(compiled))
-
-
-release_on_free(compile_plan.cache_clear)
 
 
 def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
