@@ -24,7 +24,7 @@ from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
 from .routes import Route, all_to_all_route, gather_route
-from .work import Work, collective_starting, completed, moves_nothing, reap
+from .work import Work, collective_starting, completed, moves_nothing, progress_in_background, reap
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -138,7 +138,10 @@ class MPIBackend:
         _sync_device(keep)
         if async_op or collective_timeout() > 0:
             work = Work(nonblocking(), finish, keep, what)
-            return work if async_op else _waited(work)
+            if not async_op:
+                return _waited(work)
+            progress_in_background()
+            return work
         blocking()
         return Work(None, finish)
 
