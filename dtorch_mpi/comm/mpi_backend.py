@@ -23,7 +23,7 @@ from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
 from .routes import Route, all_to_all_route, gather_route
-from .work import Work, reap
+from .work import Work, progress_in_background, reap
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -136,7 +136,10 @@ class MPIBackend:
         reap()
         _sync_device(keep)
         if async_op or collective_timeout() > 0:
-            return Work(nonblocking(), finish, keep, what)
+            work = Work(nonblocking(), finish, keep, what)
+            if async_op:
+                progress_in_background()
+            return work
         blocking()
         return Work(None, finish)
 

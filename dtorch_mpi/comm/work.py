@@ -44,6 +44,18 @@ def reap() -> None:
         _IN_FLIGHT.discard(entry)
 
 
+def _any_in_flight() -> bool:
+    return bool(_IN_FLIGHT)
+
+
+def progress_in_background() -> None:
+    """The request just started is waited on later: keep MPI progressing it meanwhile
+    (comm/progress.py)."""
+    from .progress import started
+
+    started(_any_in_flight)
+
+
 def drain() -> None:
     """Wait for every in-flight request (at exit, before MPI is finalised)."""
     from .deadline import wait_request

@@ -1,0 +1,133 @@
+"""Background progress for nonblocking collectives.
+
+MPI advances a nonblocking collective only while some thread of the process is inside an MPI
+call; NumPy work between ``redistribute(async_op=True)`` and ``wait()`` makes none, so without
+help a large transfer sits idle until the wait. While any library-started request is in
+flight, a daemon thread tests a receive of its own every ``DTORCH_PROGRESS_INTERVAL``
+microseconds (default 50; the interval doubles every 8 polls up to 1 ms, so a request left
+unwaited costs little CPU, and starts again at the base for each new request): a receive posted on a private duplicate of ``COMM_SELF`` that no
+message ever matches. Testing an incomplete request runs MPI's whole progress engine (MPICH,
+Open MPI), so the transfer advances beside the caller's work. (``MPI_Iprobe`` on a self
+communicator does not: MPICH answers it without progressing.) The thread never tests, waits on
+or starts a library request (completing one request from two threads is erroneous MPI, and
+starting collectives off the main thread would break their order across ranks), so it changes
+no MPI-level call sequence; it sleeps on an event when nothing is in flight, so blocking
+programs pay nothing.
+
+``DTORCH_ASYNC_PROGRESS``: ``thread`` (the default where MPI runs at ``MPI_THREAD_MULTIPLE``,
+mpi4py's default) or ``off`` (then transfers advance only inside library calls: every
+collective the library starts, ``done()`` and ``wait()``). It is a per-process choice (it
+moves no data), so ranks need not agree on it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+from collections.abc import Callable
+
+from mpi4py import MPI
+
+MODES = ("thread", "off")
+_POLLS_PER_STEP = 8  # polls at each interval before it doubles
+_MAX_INTERVAL = 1e-3
+
+
+def progress_mode() -> str:
+    """``DTORCH_ASYNC_PROGRESS`` checked, ``thread`` by default; ``off`` where MPI was not
+    initialised with ``MPI_THREAD_MULTIPLE`` (a second thread may not call MPI then)."""
+    mode = os.environ.get("DTORCH_ASYNC_PROGRESS", "thread")
+    if mode not in MODES:
+        raise ValueError(f"DTORCH_ASYNC_PROGRESS={mode!r}: use one of {', '.join(MODES)}")
+    if mode == "thread" and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        return "off"
+    return mode
+
+
+def poll_interval() -> float:
+    """Seconds between progress polls (``DTORCH_PROGRESS_INTERVAL`` in microseconds)."""
+    raw = os.environ.get("DTORCH_PROGRESS_INTERVAL", "50")
+    try:
+        micros = float(raw)
+    except ValueError:
+        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={raw!r} is not a number of microseconds") from None
+    if micros <= 0:
+        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={raw!r} must be a positive number of microseconds")
+    return micros * 1e-6
+
+
+class ProgressThread:
+    """Polls MPI's progress engine while ``busy()`` says requests are in flight."""
+
+    def __init__(self, busy: Callable[[], bool], interval: float) -> None:
+        self._busy = busy
+        self._interval = interval
+        self._wake = threading.Event()
+        self._stop = False
+        self._comm = MPI.COMM_SELF.Dup()  # no message is ever sent on it
+        self._never = self._comm.Irecv(bytearray(1), source=0, tag=0)
+        self._thread = threading.Thread(target=self._run, name="dtorch-mpi-progress", daemon=True)
+        self._thread.start()
+
+    def kick(self) -> None:
+        """A request was started: poll until nothing is in flight."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            polls = 0
+            while not self._stop and self._busy():
+                self._never.Test()
+                polls += 1
+                interval = min(self._interval * (1 << (polls // _POLLS_PER_STEP)), _MAX_INTERVAL)
+                if self._wake.wait(interval):  # a new request, or stop: back to the base interval
+                    self._wake.clear()
+                    polls = 0
+            if self._stop:
+                return
+
+    def stop(self) -> None:
+        """End the thread (before MPI is finalised) and free its receive and communicator."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+        if not MPI.Is_finalized():
+            self._never.Cancel()
+            self._never.Wait()
+            self._comm.Free()
+
+
+_thread: ProgressThread | None = None
+_mode: str | None = None
+
+
+def started(busy: Callable[[], bool]) -> None:
+    """A nonblocking request has been started: make sure it progresses in the background."""
+    global _thread, _mode
+    if _mode is None:
+        _mode = progress_mode()
+    if _mode == "off":
+        return
+    if _thread is None:
+        _thread = ProgressThread(busy, poll_interval())
+        atexit.register(stop)  # runs before comm/work.py's drain and mpi4py's finaliser
+    _thread.kick()
+
+
+def set_progress_mode(mode: str) -> None:
+    """Choose ``thread`` or ``off`` for this process from now on (overrides the environment)."""
+    global _mode
+    if mode not in MODES:
+        raise ValueError(f"progress mode {mode!r}: use one of {', '.join(MODES)}")
+    _mode = "off" if MPI.Query_thread() != MPI.THREAD_MULTIPLE else mode
+
+
+def stop() -> None:
+    """Stop the progress thread if one runs (at exit, before MPI is finalised)."""
+    global _thread
+    if _thread is not None:
+        _thread.stop()
+        _thread = None

@@ -1,0 +1,81 @@
+"""Background progress of nonblocking collectives (comm/progress.py): a started transfer
+finishes while the caller makes no MPI call at all."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import Checker
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+from dtorch_mpi.comm import Group, backend_named
+from dtorch_mpi.comm.progress import progress_mode, set_progress_mode
+from dtorch_mpi.split import split_sizes
+
+BACKEND = backend_named("mpi")
+ROWS_PER_RANK = 1 << 17  # 1 MB of float64 per rank: far above the eager limit, so MPI must progress it
+
+
+@pytest.fixture
+def thread_progress() -> Iterator[None]:
+    if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        pytest.skip("MPI runs below MPI_THREAD_MULTIPLE here: no progress thread")
+    set_progress_mode("thread")
+    yield
+    set_progress_mode(progress_mode())
+
+
+def test_an_async_gather_fills_its_output_while_the_caller_makes_no_mpi_call(
+    mesh1d: dt.DeviceMesh, thread_progress: None, check: Checker
+) -> None:
+    """The caller only reads the output buffer (plain Python, no MPI call) until every rank's
+    block has arrived; without background progress it would wait forever (bounded here)."""
+    group = Group(mesh1d.get_group(0), 0)
+    m = group.size
+    sizes = split_sizes(ROWS_PER_RANK * m - 1, m)  # uneven: one rank holds a row less
+    full = np.arange(sum(sizes), dtype=np.float64)
+    start = sum(sizes[: group.rank])
+    out = np.full_like(full, -1.0)
+    work = BACKEND.all_gather(group, full[start : start + sizes[group.rank]], out, 0, sizes, async_op=True)
+    deadline = time.monotonic() + 60
+    while not np.array_equal(out, full) and time.monotonic() < deadline:
+        time.sleep(1e-3)  # the caller's "work": no MPI call on this thread
+    arrived = np.array_equal(out, full)
+    check.equal(work.wait(), full, "the gathered vector")
+    assert arrived, "the transfer did not progress while the caller made no MPI call"
+
+
+def test_async_results_are_right_with_and_without_the_thread(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    full = np.random.default_rng(5).random((2 * mesh1d.size() + 1, 3))
+    for mode in ("off", "thread"):
+        set_progress_mode(mode)
+        x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
+        y = x.redistribute(placements=[dt.Shard(1)], async_op=True)
+        handle = x.to_torch_async()
+        check.equal(y.to_torch(), full, f"async S0->S1 ({mode})")
+        check.equal(handle.wait(), full, f"to_torch_async ({mode})")
+    set_progress_mode(progress_mode())
+
+
+@pytest.mark.parametrize("value", ["always", ""])
+def test_a_wrong_progress_setting_is_a_clear_error(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTORCH_ASYNC_PROGRESS", value)
+    with pytest.raises(ValueError, match=r"DTORCH_ASYNC_PROGRESS.*thread, off"):
+        progress_mode()
+    with pytest.raises(ValueError, match="use one of thread, off"):
+        set_progress_mode(value)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "fast"])
+def test_a_wrong_progress_interval_is_a_clear_error(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtorch_mpi.comm.progress import poll_interval
+
+    monkeypatch.setenv("DTORCH_PROGRESS_INTERVAL", value)
+    with pytest.raises(ValueError, match="DTORCH_PROGRESS_INTERVAL"):
+        poll_interval()
+
+
