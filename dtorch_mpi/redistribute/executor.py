@@ -214,8 +214,8 @@ def start_queued(block: bool, upto: CompiledHandle | None = None) -> None:
     previous step has not finished here; ``block=True`` waits for those, up to ``upto``'s last
     step (or the whole queue)."""
     global _starting
-    if _starting:  # a step being started here reaches before_collective again
-        return
+    if _starting or not _UNSTARTED:  # nothing queued (every plain collective); or a step being
+        return  # started here reaches before_collective again
     _starting = True
     try:
         while _UNSTARTED:
