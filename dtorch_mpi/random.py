@@ -239,18 +239,18 @@ def _ziggurat_slow(counters: Any, x: Any, layer: Any, negative: Any, xp: Any) ->
         bits = _attempt_bits(c, attempt, xp)
         u1, u2 = _open_uniform(bits[:2], xp)
         tail = layer == 0
-        value = x.copy()
         # tail (layer 0): x = -ln(u1)/r, y = -ln(u2); accept when 2y > x^2; keep looping in the tail
         xx = -xp.log(u1) / _ZIG_R
         yy = -xp.log(u2)
         tail_ok = tail & (yy + yy > xx * xx)
-        tail_value = xp.where(negative, -(xx + _ZIG_R), xx + _ZIG_R)
-        value[tail_ok] = tail_value[tail_ok]
+        shifted = xx + _ZIG_R
+        value = xp.where(tail_ok, xp.where(negative, -shifted, shifted), x)
         # wedge (other layers): accept under the density, else draw afresh
+        f_layer = f[layer]
         prev = f[xp.maximum(layer - 1, 0)]
-        wedge_ok = ~tail & ((prev - f[layer]) * u1 + f[layer] < xp.exp(-0.5 * x * x))
+        wedge_ok = ~tail & ((prev - f_layer) * u1 + f_layer < xp.exp(-0.5 * x * x))
         done = tail_ok | wedge_ok
-        redraw = ~tail & ~wedge_ok
+        redraw = ~(tail | wedge_ok)
         if bool(redraw.any()):
             fx, flayer, fneg, fok = _zig_draw(bits[2][redraw], xp)
             x[redraw], layer[redraw], negative[redraw] = fx, flayer, fneg
@@ -286,7 +286,9 @@ def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...]
             slow_layer.append(layer[slow])
             slow_neg.append(negative[slow])
     if slow_at:  # finished together: the slow path's fixed cost is paid once per call
-        out[xp.concatenate(slow_at)] = _ziggurat_slow(
-            xp.concatenate(slow_ctr), xp.concatenate(slow_x), xp.concatenate(slow_layer),
-            xp.concatenate(slow_neg), xp)
+        def joined(parts: list[Any]) -> Any:
+            return parts[0] if len(parts) == 1 else xp.concatenate(parts)
+
+        out[joined(slow_at)] = _ziggurat_slow(
+            joined(slow_ctr), joined(slow_x), joined(slow_layer), joined(slow_neg), xp)
     return out.reshape(local_shape)
