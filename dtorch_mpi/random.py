@@ -126,15 +126,23 @@ def _uniform_bits_to_float(bits: Any, out: Any, xp: Any) -> None:
     xp.multiply(bits, dtype.type(2.0**-mant), out=out, casting="unsafe")
 
 
-_SCRATCH: dict[tuple[str, int], tuple[Any, Any, Any]] = {}
+_SCRATCH: dict[int, tuple[Any, Any, Any]] = {}  # host work buffers by element count
+
+
+def _memory(xp: Any) -> Any:
+    """Where ``xp`` allocates: host memory (None), or the current GPU's id."""
+    return None if xp is np else xp.cuda.Device().id
 
 
 def _scratch(xp: Any, n: int) -> tuple[Any, Any, Any]:
-    """Three uint64 work buffers of ``n`` elements, kept from call to call: a fresh buffer of a
-    few hundred KB is a fresh mmap whose page faults cost more than the arithmetic on it."""
-    bufs = _SCRATCH.get((xp.__name__, n))
+    """Three uint64 work buffers of ``n`` elements. Host buffers are kept from call to call: a
+    fresh buffer of a few hundred KB is a fresh mmap whose page faults cost more than the
+    arithmetic on it. CuPy's memory pool already reuses device memory (and orders it by stream)."""
+    if xp is not np:
+        return xp.empty(n, dtype=xp.uint64), xp.empty(n, dtype=xp.uint64), xp.empty(n, dtype=xp.uint64)
+    bufs = _SCRATCH.get(n)
     if bufs is None:
-        bufs = _SCRATCH[xp.__name__, n] = tuple(xp.empty(n, dtype=xp.uint64) for _ in range(3))  # type: ignore[assignment]
+        bufs = _SCRATCH[n] = (np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, np.uint64))
     return bufs
 
 
@@ -183,14 +191,15 @@ _ZIG_K, _ZIG_W, _ZIG_F = _ziggurat_tables()
 _PURPOSE_DRAW, _PURPOSE_U1, _PURPOSE_U2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D
 
 
-_DEVICE_TABLES: dict[str, tuple[Any, Any, Any]] = {"numpy": (_ZIG_K, _ZIG_W, _ZIG_F)}
+_DEVICE_TABLES: dict[Any, tuple[Any, Any, Any]] = {None: (_ZIG_K, _ZIG_W, _ZIG_F)}
 
 
 def _tables(xp: Any) -> tuple[Any, Any, Any]:
-    """The layer tables in ``xp``'s memory (copied to the device once)."""
-    tables = _DEVICE_TABLES.get(xp.__name__)
+    """The layer tables in ``xp``'s memory (copied to each GPU once)."""
+    where = _memory(xp)
+    tables = _DEVICE_TABLES.get(where)
     if tables is None:
-        tables = _DEVICE_TABLES[xp.__name__] = (xp.asarray(_ZIG_K), xp.asarray(_ZIG_W), xp.asarray(_ZIG_F))
+        tables = _DEVICE_TABLES[where] = (xp.asarray(_ZIG_K), xp.asarray(_ZIG_W), xp.asarray(_ZIG_F))
     return tables
 
 
