@@ -154,6 +154,7 @@ docs: $(STAMP)
 bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_redistribute.py
 	$(MPIEXEC) -n 4 $(PY) scripts/bench_redistribute.py
+	$(MPIEXEC) -n 2 $(PY) scripts/bench_percall.py
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_ops.py
 	$(PY) scripts/bench_random.py
 

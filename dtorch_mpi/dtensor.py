@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
+from contextlib import suppress
 from functools import lru_cache
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from .dtypes import check_dtype, dtype_code, dtype_from_code, reduction_op, to_n
 from .errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import CompiledHandle, array_namespace, compile_plan, run_compiled
+from .redistribute import CompiledHandle, CompiledPlan, array_namespace, compile_plan, run_compiled
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
 from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
@@ -36,6 +37,8 @@ def _normalized(placements: Sequence[Placement] | Placement, mesh_ndim: int, ndi
     except TypeError:  # unhashable entries: let normalize_placements name the problem
         return normalize_placements(placements, mesh_ndim, ndim)
 
+
+_UNCACHEABLE = object()  # DTensor._plan_to: placements that cannot key the plan memo
 
 _UFUNC_NAMES = {"absolute": "abs", "equal": "eq", "not_equal": "ne", "less": "lt", "less_equal": "le",
                 "greater": "gt", "greater_equal": "ge", "invert": "bitwise_not"}
@@ -315,21 +318,9 @@ class DTensor:
         and its piece materialises when first used (``to_local()``, any operator) or on
         ``.wait()``.
         """
-        mesh = self.device_mesh
-        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-            raise TypeError(
-                f"redistribute(device_mesh=None, placements=None): the first positional argument is "
-                f"device_mesh, got {device_mesh!r}; pass the placements by keyword: "
-                f"x.redistribute(placements={device_mesh!r})"
-            )
-        if device_mesh is not None and device_mesh != mesh:
-            raise MeshMismatchError(
-                f"redistribute to another mesh is not supported: the tensor lives on {mesh!r}, "
-                f"the target is {device_mesh!r}; gather with to_torch() and distribute_tensor() "
-                f"onto the new mesh instead"
-            )
-        target = self.placements if placements is None else _normalized(placements, mesh.ndim, self.ndim)
-        plan = mesh._plans(self._spec, target)  # compile_plan inlined: the mesh's plan cache
+        if device_mesh is not None:
+            self._check_target_mesh(device_mesh)
+        plan = self._plan_to(placements)
         if async_op:
             out = DTensor(None, plan.out_spec, _pending=CompiledHandle(self.to_local(), plan))
         else:
@@ -339,6 +330,45 @@ class DTensor:
 
             record_redistribute(self, out)
         return out
+
+    def _check_target_mesh(self, device_mesh: Any) -> None:
+        mesh = self.device_mesh
+        if not isinstance(device_mesh, DeviceMesh):
+            raise TypeError(
+                f"redistribute(device_mesh=None, placements=None): the first positional argument is "
+                f"device_mesh, got {device_mesh!r}; pass the placements by keyword: "
+                f"x.redistribute(placements={device_mesh!r})"
+            )
+        if device_mesh != mesh:
+            raise MeshMismatchError(
+                f"redistribute to another mesh is not supported: the tensor lives on {mesh!r}, "
+                f"the target is {device_mesh!r}; gather with to_torch() and distribute_tensor() "
+                f"onto the new mesh instead"
+            )
+
+    def _plan_to(self, placements: Sequence[Placement] | Placement | None) -> CompiledPlan:
+        """The compiled plan to ``placements``, memoised on the spec by the placements as
+        given (``DTensorSpec.plans``), so a repeated redistribute skips normalising them and
+        hashing the spec. Invalid placements are never memoised: they raise every time."""
+        spec = self._spec
+        key: Any = placements
+        if placements is not None and not isinstance(placements, Placement):
+            with suppress(TypeError):  # not iterable: _normalized raises the error
+                key = tuple(placements)  # a list or a generator: one hashable spelling
+        try:
+            plan: CompiledPlan | None = spec.plans.get(key)
+        except TypeError:  # unhashable entries: _normalized names them
+            plan, key = None, _UNCACHEABLE
+        if plan is not None:
+            if not plan.steps:
+                spec.mesh._check_alive()  # run_compiled checks it for plans that move data
+            return plan
+        mesh = spec.mesh
+        target = spec.placements if key is None else _normalized(key, mesh.ndim, len(spec.shape))
+        plan = compile_plan(spec, target)
+        if key is not _UNCACHEABLE:
+            spec.plans[key] = plan
+        return plan
 
     def to_torch(self) -> Any:
         """The complete value on every rank of the mesh (NumPy for "cpu", CuPy for "cuda").

@@ -23,7 +23,14 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 _MASK = (1 << 64) - 1
-_CHUNK = 32768
+_UNIFORM_CHUNK = 32768  # elements per block: uniform's passes work in place in reused scratch
+_NORMAL_CHUNK = 8192  # the Ziggurat's per-block temporaries (64 KB) stay below malloc's mmap
+# threshold, so they reuse heap memory instead of faulting in fresh pages on every block
+
+# the mixing constants as uint64 scalars, made once (CuPy's uint64 is NumPy's)
+_S11, _S12, _S27, _S30, _S31 = (np.uint64(n) for n in (11, 12, 27, 30, 31))
+_UM1, _UM2, _UGOLDEN = np.uint64(_M1), np.uint64(_M2), np.uint64(_GOLDEN)
+_LAYER_BITS, _SIGN_BIT = np.uint64(0xFF), np.uint64(0x100)
 
 _seed: int | None = None  # read from DTORCH_SEED at the first random call, not at import
 _calls = 0
@@ -62,13 +69,13 @@ def _mix_int(x: int) -> int:
 
 def _mix(x: Any, t: Any, xp: Any) -> None:
     """In-place SplitMix64 finaliser on a uint64 array (``t`` is scratch of the same size)."""
-    xp.right_shift(x, xp.uint64(30), out=t)
+    xp.right_shift(x, _S30, out=t)
     xp.bitwise_xor(x, t, out=x)
-    xp.multiply(x, xp.uint64(_M1), out=x)
-    xp.right_shift(x, xp.uint64(27), out=t)
+    xp.multiply(x, _UM1, out=x)
+    xp.right_shift(x, _S27, out=t)
     xp.bitwise_xor(x, t, out=x)
-    xp.multiply(x, xp.uint64(_M2), out=x)
-    xp.right_shift(x, xp.uint64(31), out=t)
+    xp.multiply(x, _UM2, out=x)
+    xp.right_shift(x, _S31, out=t)
     xp.bitwise_xor(x, t, out=x)
 
 
@@ -81,7 +88,7 @@ class _Counters:
     """
 
     def __init__(self, key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...],
-                 offset: tuple[int, ...], xp: Any) -> None:
+                 offset: tuple[int, ...], xp: Any, chunk: int) -> None:
         self.size = prod(local_shape)
         self.width = local_shape[-1] if local_shape else 1
         self.rows = self.size // self.width if self.width else 0
@@ -96,20 +103,19 @@ class _Counters:
         self.lead = lead
         if local_shape:
             tail = xp.arange(offset[-1], offset[-1] + local_shape[-1], dtype=xp.uint64)
-            tail *= xp.uint64(_GOLDEN)
+            tail *= _UGOLDEN
         else:
             tail = xp.zeros(1, dtype=xp.uint64)
         self.tail = tail
-        self.rows_per_block = max(1, _CHUNK // max(self.width, 1))
+        self.add = xp.add
+        self.rows_per_block = max(1, chunk // max(self.width, 1))
 
     def blocks(self, out: Any) -> Any:
         """Yield ``(start, stop)`` flat ranges, writing their counters into ``out[:stop-start]``."""
         for r0 in range(0, self.rows, self.rows_per_block):
             r1 = min(self.rows, r0 + self.rows_per_block)
             n = (r1 - r0) * self.width
-            view = out[:n].reshape(r1 - r0, self.width)
-            view[...] = self.lead[r0:r1, None]
-            view += self.tail[None, :]
+            self.add(self.lead[r0:r1, None], self.tail[None, :], out=out[:n].reshape(r1 - r0, self.width))
             yield r0 * self.width, r1 * self.width
 
 
@@ -120,13 +126,32 @@ def _uniform_bits_to_float(bits: Any, out: Any, xp: Any) -> None:
     xp.multiply(bits, dtype.type(2.0**-mant), out=out, casting="unsafe")
 
 
+_SCRATCH: dict[int, tuple[Any, Any, Any]] = {}  # host work buffers by element count
+
+
+def _memory(xp: Any) -> Any:
+    """Where ``xp`` allocates: host memory (None), or the current GPU's id."""
+    return None if xp is np else xp.cuda.Device().id
+
+
+def _scratch(xp: Any, n: int) -> tuple[Any, Any, Any]:
+    """Three uint64 work buffers of ``n`` elements. Host buffers are kept from call to call: a
+    fresh buffer of a few hundred KB is a fresh mmap whose page faults cost more than the
+    arithmetic on it. CuPy's memory pool already reuses device memory (and orders it by stream)."""
+    if xp is not np:
+        return xp.empty(n, dtype=xp.uint64), xp.empty(n, dtype=xp.uint64), xp.empty(n, dtype=xp.uint64)
+    bufs = _SCRATCH.get(n)
+    if bufs is None:
+        bufs = _SCRATCH[n] = (np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, np.uint64))
+    return bufs
+
+
 def uniform(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...],
             offset: tuple[int, ...], dtype: np.dtype, xp: Any) -> Any:
     """Uniform [0, 1) values of the local piece."""
-    ctr = _Counters(key, global_shape, local_shape, offset, xp)
+    ctr = _Counters(key, global_shape, local_shape, offset, xp, _UNIFORM_CHUNK)
     out = xp.empty(ctr.size, dtype=dtype)
-    block = xp.empty(ctr.rows_per_block * max(ctr.width, 1), dtype=xp.uint64)
-    scratch = xp.empty_like(block)
+    block, scratch, _ = _scratch(xp, ctr.rows_per_block * max(ctr.width, 1))
     for start, stop in ctr.blocks(block):
         x = block[: stop - start]
         _mix(x, scratch[: x.size], xp)
@@ -166,21 +191,27 @@ _ZIG_K, _ZIG_W, _ZIG_F = _ziggurat_tables()
 _PURPOSE_DRAW, _PURPOSE_U1, _PURPOSE_U2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D
 
 
+_DEVICE_TABLES: dict[Any, tuple[Any, Any, Any]] = {None: (_ZIG_K, _ZIG_W, _ZIG_F)}
+
+
 def _tables(xp: Any) -> tuple[Any, Any, Any]:
-    if xp is np:
-        return _ZIG_K, _ZIG_W, _ZIG_F
-    return xp.asarray(_ZIG_K), xp.asarray(_ZIG_W), xp.asarray(_ZIG_F)
+    """The layer tables in ``xp``'s memory (copied to each GPU once)."""
+    where = _memory(xp)
+    tables = _DEVICE_TABLES.get(where)
+    if tables is None:
+        tables = _DEVICE_TABLES[where] = (xp.asarray(_ZIG_K), xp.asarray(_ZIG_W), xp.asarray(_ZIG_F))
+    return tables
 
 
 def _zig_draw(bits: Any, xp: Any) -> tuple[Any, Any, Any, Any]:
     """One Ziggurat draw from 64 random bits: (x, layer, negative, accepted by the fast test)."""
     k, w, _ = _tables(xp)
-    layer = xp.bitwise_and(bits, xp.uint64(0xFF)).astype(xp.intp)
-    negative = xp.bitwise_and(bits, xp.uint64(0x100)).astype(bool)
-    rabs = xp.right_shift(bits, xp.uint64(12))
+    layer = xp.bitwise_and(bits, _LAYER_BITS).view(xp.int64)  # < 256: the same bits as int64
+    negative = xp.bitwise_and(bits, _SIGN_BIT).astype(bool)
+    rabs = xp.right_shift(bits, _S12)
     x = rabs.astype(xp.float64)
-    x *= w[layer]
-    accepted = rabs < k[layer]
+    x *= xp.take(w, layer)
+    accepted = rabs < xp.take(k, layer)
     if xp is np:
         xp.negative(x, out=x, where=negative)
     else:  # CuPy ufuncs take no where=
@@ -188,11 +219,18 @@ def _zig_draw(bits: Any, xp: Any) -> tuple[Any, Any, Any, Any]:
     return x, layer, negative, accepted
 
 
-def _open_uniform(counters: Any, attempt: int, purpose: int, xp: Any) -> Any:
-    """Uniform (0, 1) from the element's counter, the attempt number and a purpose tag."""
-    b = counters ^ xp.uint64(_mix_int(attempt * _GOLDEN ^ purpose))
+def _attempt_bits(counters: Any, attempt: int, xp: Any) -> Any:
+    """The element's three keyed draws of one attempt, mixed in one pass: rows (u1, u2, fresh
+    Ziggurat draw), each ``mix(counter ^ mix(attempt * golden ^ purpose))``."""
+    tags = [_mix_int(attempt * _GOLDEN ^ p) for p in (_PURPOSE_U1, _PURPOSE_U2, _PURPOSE_DRAW)]
+    b = counters[None, :] ^ xp.asarray(tags, dtype=xp.uint64)[:, None]
     _mix(b, xp.empty_like(b), xp)
-    u = xp.right_shift(b, xp.uint64(11)).astype(xp.float64)
+    return b
+
+
+def _open_uniform(bits: Any, xp: Any) -> Any:
+    """Uniform (0, 1) from mixed bits."""
+    u = xp.right_shift(bits, _S11).astype(xp.float64)
     u += 0.5
     u *= 2.0**-53
     return u
@@ -207,24 +245,23 @@ def _ziggurat_slow(counters: Any, x: Any, layer: Any, negative: Any, xp: Any) ->
     attempt = 1
     while todo.size:
         c = counters[todo]
-        u1 = _open_uniform(c, attempt, _PURPOSE_U1, xp)
+        bits = _attempt_bits(c, attempt, xp)
+        u1, u2 = _open_uniform(bits[:2], xp)
         tail = layer == 0
-        value = x.copy()
         # tail (layer 0): x = -ln(u1)/r, y = -ln(u2); accept when 2y > x^2; keep looping in the tail
         xx = -xp.log(u1) / _ZIG_R
-        yy = -xp.log(_open_uniform(c, attempt, _PURPOSE_U2, xp))
+        yy = -xp.log(u2)
         tail_ok = tail & (yy + yy > xx * xx)
-        tail_value = xp.where(negative, -(xx + _ZIG_R), xx + _ZIG_R)
-        value[tail_ok] = tail_value[tail_ok]
+        shifted = xx + _ZIG_R
+        value = xp.where(tail_ok, xp.where(negative, -shifted, shifted), x)
         # wedge (other layers): accept under the density, else draw afresh
+        f_layer = f[layer]
         prev = f[xp.maximum(layer - 1, 0)]
-        wedge_ok = ~tail & ((prev - f[layer]) * u1 + f[layer] < xp.exp(-0.5 * x * x))
+        wedge_ok = ~tail & ((prev - f_layer) * u1 + f_layer < xp.exp(-0.5 * x * x))
         done = tail_ok | wedge_ok
-        redraw = ~tail & ~wedge_ok
+        redraw = ~(tail | wedge_ok)
         if bool(redraw.any()):
-            fresh = c[redraw] ^ xp.uint64(_mix_int(attempt * _GOLDEN ^ _PURPOSE_DRAW))
-            _mix(fresh, xp.empty_like(fresh), xp)
-            fx, flayer, fneg, fok = _zig_draw(fresh, xp)
+            fx, flayer, fneg, fok = _zig_draw(bits[2][redraw], xp)
             x[redraw], layer[redraw], negative[redraw] = fx, flayer, fneg
             sub = xp.flatnonzero(redraw)
             value[sub[fok]] = fx[fok]
@@ -239,12 +276,9 @@ def _ziggurat_slow(counters: Any, x: Any, layer: Any, negative: Any, xp: Any) ->
 def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...],
            offset: tuple[int, ...], dtype: np.dtype, xp: Any) -> Any:
     """Standard normal values of the local piece."""
-    ctr = _Counters(key, global_shape, local_shape, offset, xp)
+    ctr = _Counters(key, global_shape, local_shape, offset, xp, _NORMAL_CHUNK)
     out = xp.empty(ctr.size, dtype=dtype)
-    n = ctr.rows_per_block * max(ctr.width, 1)
-    block = xp.empty(n, dtype=xp.uint64)
-    bits = xp.empty(n, dtype=xp.uint64)
-    mixing = xp.empty(n, dtype=xp.uint64)
+    block, bits, mixing = _scratch(xp, ctr.rows_per_block * max(ctr.width, 1))
     slow_at, slow_ctr, slow_x, slow_layer, slow_neg = [], [], [], [], []
     for start, stop in ctr.blocks(block):
         c = block[: stop - start]
@@ -261,7 +295,9 @@ def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...]
             slow_layer.append(layer[slow])
             slow_neg.append(negative[slow])
     if slow_at:  # finished together: the slow path's fixed cost is paid once per call
-        out[xp.concatenate(slow_at)] = _ziggurat_slow(
-            xp.concatenate(slow_ctr), xp.concatenate(slow_x), xp.concatenate(slow_layer),
-            xp.concatenate(slow_neg), xp)
+        def joined(parts: list[Any]) -> Any:
+            return parts[0] if len(parts) == 1 else xp.concatenate(parts)
+
+        out[joined(slow_at)] = _ziggurat_slow(
+            joined(slow_ctr), joined(slow_x), joined(slow_layer), joined(slow_neg), xp)
     return out.reshape(local_shape)

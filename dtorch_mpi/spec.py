@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -26,6 +27,13 @@ class DTensorSpec:
             zeros = tuple(0 for _ in self.shape)
             return zeros, zeros
         return local_shape_and_offset(self.shape, self.mesh.shape, self.placements, coord)
+
+    @cached_property
+    def plans(self) -> dict[Any, Any]:
+        """Compiled redistribute plans from this spec, by target placements as the caller
+        spelled them (``DTensor.redistribute``'s memo: a repeated redistribute is one dict
+        lookup, with no normalising and no spec hashing)."""
+        return {}
 
     @property
     def local_shape(self) -> tuple[int, ...]:

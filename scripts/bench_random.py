@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     gen = np.random.default_rng(0)
     print(f"{'elements':>10} {'dtype':>8} {'kind':>6} {'dtorch ms':>10} {'numpy ms':>9} {'ratio':>6}")
-    for n in (1 << 12, 1 << 16, 1 << 20, 1 << 22):
+    for n in (1 << 12, 1 << 16, 1 << 17, 1 << 20, 1 << 22):
         for dtype in (np.float32, np.float64):
             for kind in ("rand", "randn"):
                 dt_ = np.dtype(dtype)

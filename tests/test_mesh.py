@@ -162,6 +162,7 @@ def test_a_freed_mesh_raises_mesh_mismatch_on_every_use() -> None:
     z = dt.distribute_tensor(np.arange(5.0), tp, [dt.Shard(0)])
     for t in (x, p, z):  # warm every cache
         t.redistribute(placements=[dt.Replicate()])
+        t.redistribute(placements=list(t.placements))  # a memoised plan with no steps
         t.to_torch()
         (t * 2).sum()
     async_pending = x.redistribute(placements=[dt.Replicate()], async_op=True).to_local()
@@ -172,6 +173,7 @@ def test_a_freed_mesh_raises_mesh_mismatch_on_every_use() -> None:
     uses = {
         "redistribute": lambda: x.redistribute(placements=[dt.Replicate()]),
         "redistribute P->R": lambda: p.redistribute(placements=[dt.Replicate()]),
+        "redistribute to the same placements": lambda: x.redistribute(placements=[dt.Shard(0)]),
         "redistribute on a sub-mesh": lambda: z.redistribute(placements=[dt.Replicate()]),
         "async redistribute": lambda: x.redistribute(placements=[dt.Replicate()], async_op=True).to_local(),
         "to_torch": lambda: x.to_torch(),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 from math import prod
 from typing import Any
 
@@ -74,7 +75,7 @@ def _sync_device(buffers: tuple[Any, ...]) -> None:
     """Finish queued GPU work before MPI reads device memory (mpi4py's DLPack export does not
     synchronise streams)."""
     for b in buffers:
-        if type(b).__module__.startswith("cupy"):
+        if type(b) is not np.ndarray and type(b).__module__.startswith("cupy"):
             import cupy
 
             cupy.cuda.get_current_stream().synchronize()
@@ -461,8 +462,14 @@ class MPIBackend:
 
 
 def _what(kind: str, group: Group) -> str:
-    dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
-    return f"{kind}{dim} ({group.size} ranks)"
+    return _what_text(kind, group.mesh_dim, group.size)
+
+
+@lru_cache(maxsize=256)
+def _what_text(kind: str, mesh_dim: int | None, size: int) -> str:
+    """The collective's name in a timeout error, made once per (kind, mesh dim, size)."""
+    dim = "" if mesh_dim is None else f" along mesh dim {mesh_dim}"
+    return f"{kind}{dim} ({size} ranks)"
 
 
 def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dtype: Any) -> Any:

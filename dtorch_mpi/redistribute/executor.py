@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..comm import Backend, Group, Handle, backend_for, completed
@@ -37,18 +37,21 @@ def _with_placement(
 
 @dataclass(frozen=True)
 class CompiledStep:
-    """One step with everything precomputed from the split rule (no per-call arithmetic)."""
+    """One step with everything precomputed from the split rule (no per-call arithmetic);
+    ``run`` is its kind's runner (:class:`_StepRule`), looked up once at compile time."""
 
     kind: StepKind
     group: Group | None
     args: tuple[Any, ...]
     out_shape: tuple[int, ...]
+    run: "Callable[[CompiledStep, Any, Any, Backend, bool], Handle]" = field(repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class CompiledPlan:
     out_spec: "DTensorSpec"
     steps: tuple[CompiledStep, ...]
+    xp: Any = field(repr=False, compare=False)  # the mesh's array module
 
     @property
     def communicates(self) -> bool:
@@ -74,10 +77,16 @@ def _bounds(size_start: tuple[int, int]) -> tuple[int, int]:
     return start, start + size
 
 
-def _collective(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
-    """The backend collective named by the step kind, into a new buffer of the step's output shape."""
-    call = getattr(backend, step.kind.value)
-    return call(step.group, x, xp.empty(step.out_shape, dtype=x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
+def _collective(kind: StepKind) -> Callable[[CompiledStep, Any, Any, Backend, bool], Handle]:
+    """The runner calling the backend collective named ``kind``, into a new buffer of the
+    step's output shape."""
+    name = kind.value
+
+    def run(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
+        call = getattr(backend, name)
+        return call(step.group, x, xp.empty(step.out_shape, dtype=x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
+
+    return run
 
 
 _STEPS: dict[StepKind, _StepRule] = {
@@ -90,17 +99,17 @@ _STEPS: dict[StepKind, _StepRule] = {
         lambda step, x, xp, backend, async_op: completed(xp.zeros_like(x) if step.args[0] else x)),
     StepKind.ALL_GATHER: _StepRule(
         lambda src, dst, shape, out, m, me: (src.dim, split_sizes(out[src.dim], m)),
-        _collective),
+        _collective(StepKind.ALL_GATHER)),
     StepKind.ALL_TO_ALL: _StepRule(
         lambda src, dst, shape, out, m, me: (
             dst.dim, split_sizes(shape[dst.dim], m), src.dim, split_sizes(out[src.dim], m)),
-        _collective),
+        _collective(StepKind.ALL_TO_ALL)),
     StepKind.ALL_REDUCE: _StepRule(
         lambda src, dst, shape, out, m, me: (src.reduce_op,),
-        _collective),
+        _collective(StepKind.ALL_REDUCE)),
     StepKind.REDUCE_SCATTER: _StepRule(
         lambda src, dst, shape, out, m, me: (dst.dim, split_sizes(shape[dst.dim], m), src.reduce_op),
-        _collective),
+        _collective(StepKind.REDUCE_SCATTER)),
 }
 
 
@@ -119,8 +128,9 @@ def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compile
     mesh._check_alive()
     out_spec = spec.with_placements(target)
     coord = mesh.get_coordinate()
+    xp = array_namespace(mesh.device_type)
     if coord is None:
-        return CompiledPlan(out_spec, ())
+        return CompiledPlan(out_spec, (), xp)
     placements = spec.placements
     shape = spec.local_shape
     compiled = []
@@ -129,26 +139,28 @@ def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compile
         after = _with_placement(placements, k, step.dst)
         out_shape = local_shape_and_offset(spec.shape, mesh.shape, after, coord)[0]
         group = Group(mesh.get_group(k), k) if step.communicates else None
-        args = _STEPS[step.kind].args(step.src, step.dst, shape, out_shape, m, me)
-        compiled.append(CompiledStep(step.kind, group, args, out_shape))
+        rule = _STEPS[step.kind]
+        args = rule.args(step.src, step.dst, shape, out_shape, m, me)
+        compiled.append(CompiledStep(step.kind, group, args, out_shape, rule.run))
         placements, shape = after, out_shape
-    return CompiledPlan(out_spec, tuple(compiled))
+    return CompiledPlan(out_spec, tuple(compiled), xp)
 
 
 def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
     """Start one step on the local piece ``x`` (a local step is finished at once)."""
-    return _STEPS[step.kind].run(step, x, xp, backend, async_op)
+    return step.run(step, x, xp, backend, async_op)
 
 
 def run_compiled(x: Any, plan: CompiledPlan) -> Any:
     """Run a compiled plan with blocking collectives; return the new local piece."""
-    if not plan.steps:
+    steps = plan.steps
+    if not steps:
         return x
     mesh = plan.out_spec.mesh
     mesh._check_alive()  # a plan compiled before the mesh was freed
-    xp, backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
-    for step in plan.steps:
-        x = run_compiled_step(step, x, xp, backend, False).wait()
+    xp, backend = plan.xp, backend_for(mesh.device_type)
+    for step in steps:
+        x = step.run(step, x, xp, backend, False).wait()
     return x
 
 
@@ -166,7 +178,7 @@ class CompiledHandle:
 
     def __init__(self, x: Any, plan: CompiledPlan) -> None:
         mesh = self._mesh = plan.out_spec.mesh
-        self._xp, self._backend = array_namespace(mesh.device_type), backend_for(mesh.device_type)
+        self._xp, self._backend = plan.xp, backend_for(mesh.device_type)
         self._x = x
         self._steps = list(plan.steps)
         self._work: Handle | None = None
@@ -203,8 +215,8 @@ def start_queued(block: bool, upto: CompiledHandle | None = None) -> None:
     previous step has not finished here; ``block=True`` waits for those, up to ``upto``'s last
     step (or the whole queue)."""
     global _starting
-    if _starting:  # a step being started here reaches before_collective again
-        return
+    if _starting or not _UNSTARTED:  # nothing queued (every plain collective); or a step being
+        return  # started here reaches before_collective again
     _starting = True
     try:
         while _UNSTARTED:
