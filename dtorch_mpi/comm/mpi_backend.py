@@ -17,6 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import WIDENED, element_type, reduction_type
+from . import pool
 from .config import comm_path, spmd_debug
 from .counter import record
 from .deadline import collective_timeout
@@ -112,6 +113,11 @@ def _sync_device(buffers: tuple[Any, ...]) -> None:
             return
 
 
+def _empty(like: Any, shape: Any, dtype: Any) -> Any:
+    """A temporary of ``like``'s array module, reused across calls (comm/pool.py)."""
+    return pool.empty(_xp(like), shape, dtype)
+
+
 def _contiguous(a: Any) -> Any:
     return a if a.flags.c_contiguous else _xp(a).ascontiguousarray(a)
 
@@ -181,7 +187,7 @@ class MPIBackend:
             mx = max(sizes)
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
-            pad_out = _xp(out).empty(with_dim(out.shape, axis, m * mx), dtype=out.dtype)
+            pad_out = _empty(out, with_dim(out.shape, axis, m * mx), out.dtype)
             count = outer * mx * inner
             rtype = etype if outer == 1 else _strided_block_type(item, outer, mx * inner, m * mx * inner)
             rcount = count if outer == 1 else 1
@@ -236,8 +242,8 @@ class MPIBackend:
         m = group.size
         mx = max(sizes) * inner
         etype = element_type(out.dtype.itemsize)
-        buf = _xp(out).empty(m * mx, dtype=out.dtype)
-        pad_send = _xp(out).empty(mx, dtype=out.dtype)
+        buf = _empty(out, m * mx, out.dtype)
+        pad_send = _empty(out, mx, out.dtype)
         pad_send[: send.size] = send.reshape(-1)
         comm = group.comm
 
@@ -304,8 +310,8 @@ class MPIBackend:
             send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
         else:
             send_at, recv_at = offsets(send_counts), offsets(recv_counts)
-        pack = _xp(out).empty(m * width if padded else send.size, out.dtype) if pack_needed else send.reshape(-1)
-        unpack = _xp(out).empty(m * width if padded else out.size, out.dtype) if unpack_needed else out.reshape(-1)
+        pack = _empty(out, m * width if padded else send.size, out.dtype) if pack_needed else send.reshape(-1)
+        unpack = _empty(out, m * width if padded else out.size, out.dtype) if unpack_needed else out.reshape(-1)
         if pack_needed:
             for j, (n, o) in enumerate(zip(split_sizes, s_offs)):
                 dst = pack[send_at[j] : send_at[j] + send_counts[j]].reshape(send_blocks[j])
@@ -359,7 +365,7 @@ class MPIBackend:
         record("all_reduce", group.mesh_dim, send.nbytes, out.nbytes, False, async_op)
         wide = WIDENED.get(out.dtype)
         src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
-        dst = out if wide is None else _xp(out).empty(out.shape, dtype=wide)
+        dst = out if wide is None else _empty(out, out.shape, wide)
         mtype, op = reduction_type(dst.dtype), nan_aware_op(dst.dtype, reduce_op, _xp(out) is np)
         comm = group.comm
 
@@ -412,7 +418,7 @@ class MPIBackend:
         else:
             pack = _pack_by_destination(src3, sizes, width, dtype)
         direct = wide is None and not padded and out.flags.c_contiguous
-        dst = out if direct else _xp(out).empty(outer * (width or sizes[me]) * inner, dtype=dtype)
+        dst = out if direct else _empty(out, outer * (width or sizes[me]) * inner, dtype)
         comm = group.comm
         counts = [outer * n * inner for n in sizes]
 
@@ -485,7 +491,7 @@ class MPIBackend:
         else:
             outer, _, inner = view3(out.shape, axis)
             pack = _xp(out).empty(0, dtype=out.dtype)
-        recv = _xp(out).empty(outer * (width if padded else sizes[me]) * inner, dtype=out.dtype)
+        recv = _empty(out, outer * (width if padded else sizes[me]) * inner, out.dtype)
         comm = group.comm
 
         def finish() -> np.ndarray:
@@ -521,7 +527,7 @@ def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dty
     outer, _, inner = src3.shape
     blocks = [outer * (width or n) * inner for n in sizes]
     xp = _xp(src3)
-    pack = xp.zeros(sum(blocks), dtype=dtype) if width else xp.empty(sum(blocks), dtype=dtype)
+    pack = xp.zeros(sum(blocks), dtype=dtype) if width else pool.empty(xp, sum(blocks), dtype)
     start = 0
     for n, o, b in zip(sizes, offsets(sizes), blocks):
         pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]

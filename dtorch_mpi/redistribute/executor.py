@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from ..comm import Backend, Group, Handle, backend_for, completed
+from ..comm import Backend, Group, Handle, backend_for, completed, pool
 from ..comm.work import before_collective
 from ..mesh import release_on_free
 from ..placement import Placement
@@ -76,9 +76,10 @@ def _bounds(size_start: tuple[int, int]) -> tuple[int, int]:
 
 
 def _collective(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
-    """The backend collective named by the step kind, into a new buffer of the step's output shape."""
+    """The backend collective named by the step kind, into a buffer of the step's output shape
+    (reused across calls once nobody holds the previous one: comm/pool.py)."""
     call = getattr(backend, step.kind.value)
-    return call(step.group, x, xp.empty(step.out_shape, dtype=x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
+    return call(step.group, x, pool.empty(xp, step.out_shape, x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
 
 
 _STEPS: dict[StepKind, _StepRule] = {
@@ -132,6 +133,7 @@ def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compiled
 
 
 release_on_free(compile_plan.cache_clear)
+release_on_free(pool.clear)
 
 
 def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
