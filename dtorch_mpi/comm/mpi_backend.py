@@ -318,16 +318,20 @@ class MPIBackend:
         if own_local:
             out[(slice(None),) * concat_axis + (slice(c_offs[me], c_offs[me] + concat_sizes[me]),)] = \
                 send[(slice(None),) * split_axis + (slice(s_offs[me], s_offs[me] + split_sizes[me]),)]
-        # a side whose blocks are already contiguous moves in place, with no copy
+        moved_send = [0 if own_local and j == me else n for j, n in enumerate(send_counts)]
+        moved_recv = [0 if own_local and j == me else n for j, n in enumerate(recv_counts)]
+        # a side whose blocks are already contiguous moves in place, with no copy; a packed
+        # side holds only the blocks MPI moves
         pack_needed = padded or view3(send.shape, split_axis)[0] > 1
         unpack_needed = padded or view3(out.shape, concat_axis)[0] > 1
         if padded:
             width = _global_block(send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
             send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
         else:
-            send_at, recv_at = offsets(send_counts), offsets(recv_counts)
-        pack = _empty(out, m * width if padded else send.size, out.dtype) if pack_needed else send.reshape(-1)
-        unpack = _empty(out, m * width if padded else out.size, out.dtype) if unpack_needed else out.reshape(-1)
+            send_at = offsets(moved_send if pack_needed else send_counts)
+            recv_at = offsets(moved_recv if unpack_needed else recv_counts)
+        pack = _empty(out, m * width if padded else sum(moved_send), out.dtype) if pack_needed else send.reshape(-1)
+        unpack = _empty(out, m * width if padded else sum(moved_recv), out.dtype) if unpack_needed else out.reshape(-1)
         if pack_needed:
             for j, (n, o) in enumerate(zip(split_sizes, s_offs)):
                 if own_local and j == me:
@@ -361,9 +365,8 @@ class MPIBackend:
                 lambda: comm.Ialltoall([pack, n, etype], [unpack, n, etype]),
                 finish, (pack, unpack, send, out),
             )
-        send_counts[me] = recv_counts[me] = 0
-        sspec = [pack, (send_counts, send_at), etype]
-        rspec = [unpack, (recv_counts, recv_at), etype]
+        sspec = [pack, (moved_send, send_at), etype]
+        rspec = [unpack, (moved_recv, recv_at), etype]
         return self._run(
             _what("all_to_all", group),
             async_op,
