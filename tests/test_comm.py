@@ -69,7 +69,7 @@ def test_route_choice_is_a_function_of_group_wide_sizes() -> None:
     assert gather_route("auto", (2, 2), 1, 64, big) is Route.GATHER_EQUAL
     assert gather_route("auto", (2, 2), 3, 64, big) is Route.GATHER_W
     assert gather_route("auto", (2, 1), 1, 64, big) is Route.GATHER_V
-    assert gather_route("auto", (2, 1), 1, 64, 64) is Route.GATHER_PADDED_COMPACT
+    assert gather_route("auto", (2, 1), 1, 64, 64) is Route.GATHER_W  # from the size threshold
     assert gather_route("variable", (2, 1), 1, 64, 64) is Route.GATHER_V
     assert gather_route("padded", (2, 1), 1, 64, big) is Route.GATHER_PADDED_COMPACT
     assert gather_route("padded", (2, 1), 3, 64, big) is Route.GATHER_PADDED_STRIDED

@@ -65,10 +65,13 @@ with the own block copied by NumPy, not packed, sent to itself and unpacked: 0.6
 ``Alltoall`` into a reused buffer vs 1.3-2.2x with the own block in the call (4-128 MB, 2 and 4
 ranks, MPICH 5); below it the equal-block ``Alltoall`` is cheaper per call."""
 
-PADDED_GATHER_BYTES = 32 << 20
-"""``auto`` path: from this output size on, an uneven contiguous gather uses the padded
-``Allgather`` and compacts in place (MPICH's ``Allgatherv`` is faster below it and slower
-above: 1.9x vs 1.3x of raw at 64 MB on 2 ranks, 1.8x vs 0.95x on 4; scripts/bench_redistribute.py)."""
+UNEVEN_GATHER_W_FROM = 512 << 10
+"""``auto`` path: from this output size on (bytes, the same on every rank), an uneven contiguous
+gather is an ``Alltoallw`` with the own block copied locally, straight into the output. MPICH 5's
+``Allgatherv`` is 1.9-2.9x a padded ``Allgather`` from 1 MB at 2-4 ranks, and 9-40x on a busy
+machine at 3-4 ranks (its ring waits on every peer in turn); the ``Alltoallw`` is 0.7-1.1x, with
+no padded copy (peak 1x the output, not 2.5x). Below it ``Allgatherv`` is as fast or faster
+(scripts/bench_redistribute.py, /work/notes/perfcomm.md)."""
 
 
 def check_same_call(group: Group, description: str) -> None:
@@ -167,7 +170,7 @@ class MPIBackend:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
         outer, length, inner = view3(out.shape, axis)
-        route = gather_route(comm_path(), sizes, outer, out.nbytes, PADDED_GATHER_BYTES)
+        route = gather_route(comm_path(), sizes, outer, out.nbytes, UNEVEN_GATHER_W_FROM)
         if spmd_debug():
             check_same_call(group, _describe("all_gather", out, axis=axis, sizes=tuple(sizes), mpi=route.value))
         if (done := moves_nothing(m, send, out, route is Route.NOTHING)) is not None:
@@ -228,9 +231,10 @@ class MPIBackend:
         # ranks; with the own block in the Alltoallw too: 1.4-1.65x)
         me = group.rank
         out.reshape(outer, length, inner)[:, offs[me] : offs[me] + sizes[me], :] = send.reshape(outer, -1, inner)
-        rtypes = [_strided_block_type(item, outer, n * inner, length * inner) if n and i != me else etype
-                  for i, n in enumerate(sizes)]
-        rcounts = [1 if n and i != me else 0 for i, n in enumerate(sizes)]
+        strided = outer > 1
+        rtypes = [_strided_block_type(item, outer, n * inner, length * inner) if strided and n and i != me
+                  else etype for i, n in enumerate(sizes)]
+        rcounts = [0 if i == me else 1 if strided and n else n * inner for i, n in enumerate(sizes)]
         rdispls = [o * inner * item for o in offs]
         sspec = [send, ([0 if i == me else send.size for i in range(m)], [0] * m), [etype] * m]
         rspec = [out, (rcounts, rdispls), rtypes]

@@ -36,20 +36,21 @@ class Route(Enum):
         return "padded" in self.value
 
 
-def gather_route(path: str, sizes: Sequence[int], outer: int, out_nbytes: int, padded_from: int) -> Route:
+def gather_route(path: str, sizes: Sequence[int], outer: int, out_nbytes: int, w_from: int) -> Route:
     """All-gather of blocks ``sizes`` long along an axis with ``outer`` rows above it into an
-    output of ``out_nbytes`` (the same on every rank). ``padded_from``: the ``auto`` path's
-    threshold for padding an uneven contiguous gather."""
+    output of ``out_nbytes`` (the same on every rank). ``w_from``: the ``auto`` path's output
+    size from which an uneven contiguous gather takes ``Alltoallw`` (the own block copied
+    locally, the others written in place) instead of ``Allgatherv``."""
     if out_nbytes == 0:
         return Route.NOTHING
     even = len(set(sizes)) == 1
     if even:
         return Route.GATHER_EQUAL if outer == 1 else Route.GATHER_W
-    if outer == 1 and (path == "padded" or (path == "auto" and out_nbytes >= padded_from)):
-        return Route.GATHER_PADDED_COMPACT
     if path == "padded":
-        return Route.GATHER_PADDED_STRIDED
-    return Route.GATHER_V if outer == 1 else Route.GATHER_W
+        return Route.GATHER_PADDED_COMPACT if outer == 1 else Route.GATHER_PADDED_STRIDED
+    if outer == 1 and (path == "variable" or out_nbytes < w_from):
+        return Route.GATHER_V
+    return Route.GATHER_W
 
 
 def all_to_all_route(
