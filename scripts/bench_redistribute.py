@@ -47,8 +47,11 @@ def peak_extra(fn: Callable[[], object]) -> int:
     return peak
 
 
-def shapes_for(nbytes: int, m: int) -> dict[str, tuple[int, int]]:
+def shapes_for(nbytes: int, m: int, square: bool = False) -> dict[str, tuple[int, int]]:
     elems = max(nbytes // 4, m * m)
+    if square:  # 64M -> 4096 x 4096, the training-loop figure
+        side = max(m, int(np.sqrt(elems)) // m * m)
+        return {"even": (side, side), "uneven": (side + 1, side - 1)}
     cols = 1024 if elems >= 1024 * m * 4 else max(m * 4, int(np.sqrt(elems)) // m * m)
     rows = max(m, (elems // cols) // m * m)
     return {"even": (rows, cols), "uneven": (rows + 1, cols - 1)}
@@ -108,6 +111,7 @@ def main() -> None:
     ap.add_argument("--paths", default="auto")
     ap.add_argument("--kinds", default=",".join(TRANSITIONS), help="transitions to run")
     ap.add_argument("--evenness", default="even,uneven")
+    ap.add_argument("--square", action="store_true", help="square global shapes (64M: 4096 x 4096)")
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = ap.parse_args()
     m = WORLD.Get_size()
@@ -123,7 +127,7 @@ def main() -> None:
     for size in args.sizes.split(","):
         nbytes = int(size[:-1]) * units[size[-1]]
         reps = 21 if nbytes <= (1 << 20) else 9 if nbytes <= (16 << 20) else 5
-        for evenness, shape in shapes_for(nbytes, m).items():
+        for evenness, shape in shapes_for(nbytes, m, args.square).items():
             if evenness not in args.evenness.split(","):
                 continue
             full = np.ones(shape, np.float32)
