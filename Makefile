@@ -153,6 +153,8 @@ docs: $(STAMP)
 
 bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_redistribute.py
+	$(MPIEXEC) -n 2 $(PY) scripts/bench_redistribute.py --sizes 64M --square --evenness even
+	$(MPIEXEC) -n 3 $(PY) scripts/bench_redistribute.py --sizes 4M,16M,64M --kinds 'S0->R,S1->R,S0->S1'
 	$(MPIEXEC) -n 4 $(PY) scripts/bench_redistribute.py
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_percall.py
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_ops.py

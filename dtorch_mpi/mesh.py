@@ -52,6 +52,15 @@ def cached_per_mesh(attr: str, maxsize: int) -> Callable[[F], F]:
     return register
 
 
+_ON_FREE: list[Callable[[], None]] = []
+
+
+def release_on_free(hook: Callable[[], None]) -> None:
+    """Run ``hook`` at every ``DeviceMesh.free()``, for process-wide resources that may hold a
+    freed mesh's memory (the collective buffer pool: comm/pool.py)."""
+    _ON_FREE.append(hook)
+
+
 def live_caches(attr: str) -> Iterator[Any]:
     """The ``attr`` cache of every live root mesh (for statistics and a global clear)."""
     return (getattr(mesh, attr) for mesh in list(_LIVE.values()))
@@ -214,6 +223,8 @@ class DeviceMesh:
         _LIVE.pop(self._identity, None)
         for attr, _, _ in _PER_MESH:
             getattr(self, attr).cache_clear()
+        for hook in _ON_FREE:
+            hook()
         if self._owns_comms:
             for comm in (self._comm, *self._groups):
                 if comm != MPI.COMM_NULL:

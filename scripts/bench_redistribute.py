@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""redistribute vs raw mpi4py collectives moving the same bytes, side by side in one run.
+"""redistribute vs raw mpi4py collectives moving the same bytes, interleaved in one run.
 
-Run under mpiexec (2 or 4 ranks). For each transition, size (1 KB - 64 MB of float32), even
-and uneven shapes, and both comm paths, prints the median time (slowest rank) of dtorch and
-of the best raw collective, their ratio, and dtorch's peak extra memory as a multiple of the
-output piece (tracemalloc). Each raw collective allocates its receive buffer per call, as
-dtorch must (it returns a new array): with MPICH, a collective into a freshly allocated
-buffer costs up to 2.5x one into a reused buffer at 4-16 MB, so ``raw-pre ms`` (reused
-receive buffer, the unreachable floor) is shown too. Baselines:
-  S(0)->R, S(1)->R: Allgather of contiguous equal blocks and Allgatherv (best of the two)
+Run under mpiexec (2, 3 or 4 ranks). For each transition, size (1 KB - 64 MB of float32), even
+and uneven shapes, and comm path, each repeat runs the raw collectives and the redistribute in
+rotation (a load change hits all alike); the medians (slowest rank) give:
+  raw ms        the best raw collective into a receive buffer allocated per call
+  raw-reuse ms  the best raw collective into one reused receive buffer: the floor (with MPICH a
+                collective into fresh memory costs up to 2.5x one into a reused buffer)
+  ratio         dtorch / raw;  /reuse  dtorch / raw-reuse. The redistribute is the same
+                compiled plan called in a loop, so its buffers come back from comm/pool.py.
+  peak/out      dtorch's peak extra memory of one call with the buffer pool emptied first
+                (tracemalloc), as a multiple of the output piece: the footprint the pool keeps.
+Baselines:
+  S(0)->R, S(1)->R: Allgather of contiguous equal (padded when uneven) blocks and Allgatherv
   S(0)->S(1): Alltoall of contiguous blocks of the same bytes
   P->R: Allreduce;  P->S(0): Reduce_scatter_block (and Reduce_scatter when uneven)
 """
@@ -22,17 +26,18 @@ import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
-from benchtools import timed
+from benchtools import timed_interleaved
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import set_comm_path
+from dtorch_mpi.comm import pool, set_comm_path
 from dtorch_mpi.split import split_sizes
 
 WORLD = MPI.COMM_WORLD
 
 
 def peak_extra(fn: Callable[[], object]) -> int:
+    pool.clear()
     tracemalloc.start()
     tracemalloc.reset_peak()
     base = tracemalloc.get_traced_memory()[0]
@@ -42,8 +47,11 @@ def peak_extra(fn: Callable[[], object]) -> int:
     return peak
 
 
-def shapes_for(nbytes: int, m: int) -> dict[str, tuple[int, int]]:
+def shapes_for(nbytes: int, m: int, square: bool = False) -> dict[str, tuple[int, int]]:
     elems = max(nbytes // 4, m * m)
+    if square:  # 64M -> 4096 x 4096, the issue's training-loop figure
+        side = max(m, int(np.sqrt(elems)) // m * m)
+        return {"even": (side, side), "uneven": (side + 1, side - 1)}
     cols = 1024 if elems >= 1024 * m * 4 else max(m * 4, int(np.sqrt(elems)) // m * m)
     rows = max(m, (elems // cols) // m * m)
     return {"even": (rows, cols), "uneven": (rows + 1, cols - 1)}
@@ -58,12 +66,12 @@ def raw_cases(kind: str, shape: tuple[int, int], m: int, comm: MPI.Intracomm, fr
     me = comm.Get_rank()
     mx = max(sizes)
 
-    def buf(n: int, keep: dict = {}) -> np.ndarray:
+    kept: dict[int, np.ndarray] = {}
+
+    def buf(n: int) -> np.ndarray:
         if fresh:
             return np.empty(n, np.float32)
-        if keep.get("n") != n:
-            keep["n"], keep["a"] = n, np.empty(n, np.float32)
-        return keep["a"]
+        return kept.setdefault(n, np.empty(n, np.float32)) if n not in kept else kept[n]
 
     if kind in ("S0->R", "S1->R"):
         mine = np.ones(sizes[me], np.float32)
@@ -98,9 +106,12 @@ TRANSITIONS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1K,64K,1M,4M,16M,64M")
-    ap.add_argument("--paths", default="variable,padded")
+    ap.add_argument("--paths", default="auto")
+    ap.add_argument("--kinds", default=",".join(TRANSITIONS), help="transitions to run")
+    ap.add_argument("--evenness", default="even,uneven")
+    ap.add_argument("--square", action="store_true", help="square global shapes (64M: 4096 x 4096)")
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
     args = ap.parse_args()
     m = WORLD.Get_size()
@@ -109,36 +120,47 @@ def main() -> None:
     units = {"K": 1 << 10, "M": 1 << 20}
     rows = []
     if WORLD.Get_rank() == 0:
-        print(f"ranks={m}  (times: median over reps of the slowest rank)")
-        print(f"{'transition':<8} {'path':<8} {'size':>5} {'shape':>13} {'dtorch ms':>10} "
-              f"{'raw ms':>9} {'raw-pre ms':>9} {'raw op':<21} {'ratio':>6} {'peak/out':>8}")
+        print(f"ranks={m}  load average at start {os.getloadavg()[0]:.2f}  (medians over interleaved reps "
+              "of the slowest rank)")
+        print(f"{'transition':<10} {'path':<8} {'size':>5} {'shape':>13} {'dtorch ms':>10} {'raw ms':>9} "
+              f"{'raw-reuse':>9} {'raw op':<21} {'ratio':>6} {'/reuse':>6} {'peak/out':>8}")
     for size in args.sizes.split(","):
         nbytes = int(size[:-1]) * units[size[-1]]
-        reps = 20 if nbytes <= (1 << 20) else 7 if nbytes <= (16 << 20) else 4
-        for evenness, shape in shapes_for(nbytes, m).items():
+        reps = 21 if nbytes <= (1 << 20) else 9 if nbytes <= (16 << 20) else 5
+        for evenness, shape in shapes_for(nbytes, m, args.square).items():
+            if evenness not in args.evenness.split(","):
+                continue
             full = np.ones(shape, np.float32)
-            for kind, (src, dst) in TRANSITIONS.items():
-                raws = {name: timed(fn, reps, comm)
-                        for name, fn in raw_cases(kind, shape, m, comm, True).items()}
-                best_name = min(raws, key=raws.__getitem__)
-                pre = min(timed(fn, reps, comm)
-                          for fn in raw_cases(kind, shape, m, comm, False).values())
+            for kind in args.kinds.split(","):
+                src, dst = TRANSITIONS[kind]
                 x = dt.distribute_tensor(full, mesh, src, src_data_rank=None)
                 out_bytes = x.redistribute(placements=dst).to_local().nbytes
+                fns = {f"fresh {n}": fn for n, fn in raw_cases(kind, shape, m, comm, True).items()}
+                fns |= {f"reuse {n}": fn for n, fn in raw_cases(kind, shape, m, comm, False).items()}
+
+                def run(path: str) -> Callable[[], object]:
+                    return lambda: (set_comm_path(path), x.redistribute(placements=dst))
+
+                fns |= {f"dtorch {path}": run(path) for path in args.paths.split(",")}
+                t = timed_interleaved(fns, reps, comm)
+                best = min((n for n in t if n.startswith("fresh ")), key=t.__getitem__)
+                floor = min(v for n, v in t.items() if n.startswith("reuse "))
                 for path in args.paths.split(","):
                     set_comm_path(path)
-                    t = timed(lambda: x.redistribute(placements=dst), reps, comm)
                     peak = WORLD.allreduce(peak_extra(lambda: x.redistribute(placements=dst)), op=MPI.MAX)
-                    ratio = t / raws[best_name]
+                    mine = t[f"dtorch {path}"]
                     row = dict(ranks=m, transition=kind, path=path, bytes=nbytes, evenness=evenness,
-                               shape=shape, dtorch_ms=t * 1e3, raw_ms=raws[best_name] * 1e3,
-                               raw_prealloc_ms=pre * 1e3, raw_op=best_name, ratio=ratio,
-                               peak_over_out=peak / max(out_bytes, 1))
+                               shape=shape, dtorch_ms=mine * 1e3, raw_ms=t[best] * 1e3,
+                               raw_reused_ms=floor * 1e3, raw_op=best[6:], ratio=mine / t[best],
+                               ratio_reused=mine / floor, peak_over_out=peak / max(out_bytes, 1),
+                               load=os.getloadavg()[0])
                     rows.append(row)
                     if WORLD.Get_rank() == 0:
-                        print(f"{kind:<8} {path:<8} {size:>5} {shape!s:>13} {t * 1e3:>10.3f} "
-                              f"{raws[best_name] * 1e3:>9.3f} {pre * 1e3:>9.3f} {best_name:<21} {ratio:>6.2f} "
-                              f"{peak / max(out_bytes, 1):>8.2f}", flush=True)
+                        print(f"{kind:<10} {path:<8} {size:>5} {shape!s:>13} {mine * 1e3:>10.3f} "
+                              f"{t[best] * 1e3:>9.3f} {floor * 1e3:>9.3f} {best[6:]:<21} {mine / t[best]:>6.2f} "
+                              f"{mine / floor:>6.2f} {peak / max(out_bytes, 1):>8.2f}", flush=True)
+    if WORLD.Get_rank() == 0:
+        print(f"load average at end {os.getloadavg()[0]:.2f}")
     if args.json and WORLD.Get_rank() == 0:
         os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
         with open(args.json, "w") as fh:

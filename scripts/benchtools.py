@@ -27,3 +27,19 @@ def timed(fn: Callable[[], Any], reps: int, comm: MPI.Intracomm = MPI.COMM_WORLD
             after()
         times.append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
     return statistics.median(times)
+
+
+def timed_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
+                      comm: MPI.Intracomm = MPI.COMM_WORLD) -> dict[str, float]:
+    """Median (slowest rank) of each of ``fns``, run in rotation within every repeat, so a
+    load change on a busy machine hits all of them alike (one warm-up call each first)."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            comm.Barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return {name: statistics.median(t) for name, t in times.items()}

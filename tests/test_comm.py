@@ -55,18 +55,21 @@ def test_route_choice_is_a_function_of_group_wide_sizes() -> None:
     (zero) counts of its own; the route must still be the group's Alltoallv."""
     from dtorch_mpi.comm.routes import Route, all_to_all_route, gather_route
 
-    assert all_to_all_route("auto", (1, 2), 1, (1, 1, 0), 0, (1, 0, 0)) is Route.A2A_V
-    assert all_to_all_route("auto", (0, 2), 1, (1, 1, 0), 0, (1, 0, 0)) is Route.A2A_V  # the empty rank
-    assert all_to_all_route("auto", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2)) is Route.A2A_EQUAL
-    assert all_to_all_route("variable", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2)) is Route.A2A_EQUAL
-    assert all_to_all_route("padded", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2)) is Route.A2A_PADDED
-    assert all_to_all_route("auto", (1, 0, 2), 2, (1, 1, 0), 0, (1, 0, 0)) is Route.NOTHING
-    assert all_to_all_route("auto", (3, 0), 1, (0, 0, 0), 0, (1, 1, 1)) is Route.NOTHING
     big = 1 << 30
+    assert all_to_all_route("auto", (1, 2), 1, (1, 1, 0), 0, (1, 0, 0), 4, big) is Route.A2A_V
+    assert all_to_all_route("auto", (0, 2), 1, (1, 1, 0), 0, (1, 0, 0), 4, big) is Route.A2A_V  # the empty rank
+    assert all_to_all_route("auto", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2), 4, big) is Route.A2A_EQUAL
+    assert all_to_all_route("variable", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2), 4, big) is Route.A2A_EQUAL
+    assert all_to_all_route("padded", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2), 4, big) is Route.A2A_PADDED
+    assert all_to_all_route("auto", (1, 0, 2), 2, (1, 1, 0), 0, (1, 0, 0), 4, big) is Route.NOTHING
+    assert all_to_all_route("auto", (3, 0), 1, (0, 0, 0), 0, (1, 1, 1), 4, big) is Route.NOTHING
+    # from the size threshold (whole tensor: 6 x 6 x 4 bytes) equal blocks take Alltoallv too
+    assert all_to_all_route("auto", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2), 4, 144) is Route.A2A_V
+    assert all_to_all_route("auto", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2), 4, 145) is Route.A2A_EQUAL
     assert gather_route("auto", (2, 2), 1, 64, big) is Route.GATHER_EQUAL
     assert gather_route("auto", (2, 2), 3, 64, big) is Route.GATHER_W
     assert gather_route("auto", (2, 1), 1, 64, big) is Route.GATHER_V
-    assert gather_route("auto", (2, 1), 1, 64, 64) is Route.GATHER_PADDED_COMPACT
+    assert gather_route("auto", (2, 1), 1, 64, 64) is Route.GATHER_W  # from the size threshold
     assert gather_route("variable", (2, 1), 1, 64, 64) is Route.GATHER_V
     assert gather_route("padded", (2, 1), 1, 64, big) is Route.GATHER_PADDED_COMPACT
     assert gather_route("padded", (2, 1), 3, 64, big) is Route.GATHER_PADDED_STRIDED

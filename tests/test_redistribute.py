@@ -222,18 +222,38 @@ def test_uneven_gather_sizes_follow_the_split_rule(mesh1d: dt.DeviceMesh) -> Non
     assert np.array_equal(x.to_torch(), np.arange(n))
 
 
-def test_large_uneven_gather_takes_the_padded_route(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto path: past PADDED_GATHER_BYTES an uneven contiguous gather pads and compacts in place."""
+def test_large_uneven_gather_takes_alltoallw(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto path: from UNEVEN_GATHER_W_FROM an uneven contiguous gather is an Alltoallw with
+    the own block copied locally (every length, including empty pieces)."""
     from dtorch_mpi.comm import mpi_backend
 
-    monkeypatch.setattr(mpi_backend, "PADDED_GATHER_BYTES", 64)
-    full = integer_full((2 * SIZE + 1, 5))
-    x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
-    with dt.CommCounter() as c:
-        y = x.redistribute(placements=[dt.Replicate()])
-    assert np.array_equal(y.to_torch(), full)
-    if SIZE > 1:
-        assert c.records[0].padded == (dt.comm.comm_path() in ("auto", "padded"))
+    monkeypatch.setattr(mpi_backend, "UNEVEN_GATHER_W_FROM", 64)
+    for n in lengths_for(SIZE):
+        full = integer_full((n, 5))
+        x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
+        with dt.CommCounter() as c:
+            y = x.redistribute(placements=[dt.Replicate()])
+        assert np.array_equal(y.to_torch(), full)
+        if SIZE > 1 and n % SIZE and full.nbytes:
+            assert c.records[0].padded == (dt.comm.comm_path() == "padded")
+
+
+def test_large_all_to_all_keeps_the_own_block_local(
+    mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch, check: Checker,
+) -> None:
+    """From ALLTOALLV_FROM an all-to-all (equal blocks too) is an Alltoallv with the own block
+    copied locally and only the moved blocks packed: every shard pair, even and uneven."""
+    from dtorch_mpi.comm import mpi_backend
+
+    monkeypatch.setattr(mpi_backend, "ALLTOALLV_FROM", 0)
+    shards = [dt.Shard(0), dt.Shard(1), dt.Shard(2)]
+    pairs = [([a], [b]) for a, b in itertools.product(shards, shards) if a != b]
+    shapes = [(n, 2 * SIZE, 3) for n in lengths_for(SIZE)] + [(2 * SIZE, 3, n) for n in lengths_for(SIZE)]
+    run_pairs(mesh1d, pairs, shapes, check)
+    run_pairs(mesh1d, pairs, shapes, check, async_op=True)
+    layouts = [[dt.Shard(0), dt.Shard(1)], [dt.Shard(1), dt.Shard(0)], [dt.Shard(2), dt.Shard(1)]]
+    run_pairs(mesh2d, [(a, b) for a in layouts for b in layouts], [(7, 5, 3), (4, 4, 4)], check)
+    check.done()
 
 
 def test_dropping_async_results_before_waiting_is_safe(mesh1d: dt.DeviceMesh, check: Checker) -> None:

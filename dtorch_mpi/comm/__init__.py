@@ -5,7 +5,7 @@ The registry below is the one place naming the backends: adding one is its modul
 ``"cpu"``; for ``"cuda"`` the backend agreed across ranks when the first cuda mesh was built.
 """
 
-from . import gpu
+from . import gpu, pool
 from .backend import Backend, Handle, backend_named, register_backend
 from .config import comm_path, set_comm_path
 from .counter import CommCounter, CommRecord
@@ -26,5 +26,5 @@ def backend_for(device_type: str) -> Backend:
 
 __all__ = [
     "Backend", "CommCounter", "CommRecord", "Group", "Handle", "MPIBackend", "Work", "backend_for",
-    "backend_named", "comm_path", "completed", "register_backend", "set_comm_path",
+    "backend_named", "comm_path", "completed", "pool", "register_backend", "set_comm_path",
 ]

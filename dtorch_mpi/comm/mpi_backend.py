@@ -18,6 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..dtypes import WIDENED, element_type, reduction_type
+from . import pool
 from .config import comm_path
 from .deadline import collective_timeout
 from .group import Group
@@ -56,10 +57,19 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
     return _cached_type(("vec", itemsize, outer, block, stride), make)
 
 
-PADDED_GATHER_BYTES = 32 << 20
-"""``auto`` path: from this output size on, an uneven contiguous gather uses the padded
-``Allgather`` and compacts in place (MPICH's ``Allgatherv`` is faster below it and slower
-above: 1.9x vs 1.3x of raw at 64 MB on 2 ranks, 1.8x vs 0.95x on 4; scripts/bench_redistribute.py)."""
+ALLTOALLV_FROM = 1 << 20
+"""From this tensor size on (bytes, all ranks' pieces together) an all-to-all uses ``Alltoallv``
+with the own block copied by NumPy, not packed, sent to itself and unpacked: 0.6-1.6x a raw
+``Alltoall`` into a reused buffer vs 1.3-2.2x with the own block in the call (4-128 MB, 2 and 4
+ranks, MPICH 5); below it the equal-block ``Alltoall`` is cheaper per call."""
+
+UNEVEN_GATHER_W_FROM = 512 << 10
+"""``auto`` path: from this output size on (bytes, the same on every rank), an uneven contiguous
+gather is an ``Alltoallw`` with the own block copied locally, straight into the output. MPICH 5's
+``Allgatherv`` is 1.9-2.9x a padded ``Allgather`` from 1 MB at 2-4 ranks, and 9-40x on a busy
+machine at 3-4 ranks (its ring waits on every peer in turn); the ``Alltoallw`` is 0.7-1.1x, with
+no padded copy (peak 1x the output, not 2.5x). Below it ``Allgatherv`` is as fast or faster
+(scripts/bench_redistribute.py, /work/notes/perfcomm.md)."""
 
 
 def _xp(a: Any) -> Any:
@@ -82,18 +92,23 @@ def _sync_device(buffers: tuple[Any, ...]) -> None:
             return
 
 
+def _empty(like: Any, shape: Any, dtype: Any) -> Any:
+    """A temporary of ``like``'s array module, reused across calls (comm/pool.py)."""
+    return pool.empty(_xp(like), shape, dtype)
+
+
 def _contiguous(a: Any) -> Any:
     return a if a.flags.c_contiguous else _xp(a).ascontiguousarray(a)
 
 
 def _gather_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
-    route = gather_route(path, facts["sizes"], view3(out.shape, facts["axis"])[0], out.nbytes, PADDED_GATHER_BYTES)
+    route = gather_route(path, facts["sizes"], view3(out.shape, facts["axis"])[0], out.nbytes, UNEVEN_GATHER_W_FROM)
     return route.value, route.padded
 
 
 def _all_to_all_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
     route = all_to_all_route(path, send.shape, facts["split"], facts["split_sizes"], facts["concat"],
-                             facts["concat_sizes"])
+                             facts["concat_sizes"], out.dtype.itemsize, ALLTOALLV_FROM)
     return route.value, route.padded
 
 
@@ -157,7 +172,7 @@ class MPIBackend:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
         outer, length, inner = view3(out.shape, axis)
-        route = gather_route(comm_path(), sizes, outer, out.nbytes, PADDED_GATHER_BYTES)
+        route = gather_route(comm_path(), sizes, outer, out.nbytes, UNEVEN_GATHER_W_FROM)
         send = _contiguous(send)
         item = out.dtype.itemsize
         etype = element_type(item)
@@ -178,7 +193,7 @@ class MPIBackend:
             mx = max(sizes)
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
-            pad_out = _xp(out).empty(with_dim(out.shape, axis, m * mx), dtype=out.dtype)
+            pad_out = _empty(out, with_dim(out.shape, axis, m * mx), out.dtype)
             count = outer * mx * inner
             rtype = etype if outer == 1 else _strided_block_type(item, outer, mx * inner, m * mx * inner)
             rcount = count if outer == 1 else 1
@@ -208,11 +223,17 @@ class MPIBackend:
                 lambda: comm.Iallgatherv([send, send.size, etype], spec),
                 lambda: out, (send, out),
             )
-        rtypes = [_strided_block_type(item, outer, n * inner, length * inner) if n else etype
-                  for n in sizes]
-        rcounts = [1 if n else 0 for n in sizes]
+        # the own block is NumPy's strided copy, the others MPI's datatype engine writes in
+        # place (1.0-1.1x a raw contiguous Allgather into a reused buffer at 64-128 MB, 2 and 4
+        # ranks; with the own block in the Alltoallw too: 1.4-1.65x)
+        me = group.rank
+        out.reshape(outer, length, inner)[:, offs[me] : offs[me] + sizes[me], :] = send.reshape(outer, -1, inner)
+        strided = outer > 1
+        rtypes = [_strided_block_type(item, outer, n * inner, length * inner) if strided and n and i != me
+                  else etype for i, n in enumerate(sizes)]
+        rcounts = [0 if i == me else 1 if strided and n else n * inner for i, n in enumerate(sizes)]
         rdispls = [o * inner * item for o in offs]
-        sspec = [send, ([send.size] * m, [0] * m), [etype] * m]
+        sspec = [send, ([0 if i == me else send.size for i in range(m)], [0] * m), [etype] * m]
         rspec = [out, (rcounts, rdispls), rtypes]
         return self._run(
             _what("all_gather", group),
@@ -233,8 +254,8 @@ class MPIBackend:
         m = group.size
         mx = max(sizes) * inner
         etype = element_type(out.dtype.itemsize)
-        buf = _xp(out).empty(m * mx, dtype=out.dtype)
-        pad_send = _xp(out).empty(mx, dtype=out.dtype)
+        buf = _empty(out, m * mx, out.dtype)
+        pad_send = _empty(out, mx, out.dtype)
         pad_send[: send.size] = send.reshape(-1)
         comm = group.comm
 
@@ -269,8 +290,9 @@ class MPIBackend:
     ) -> Work:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
-        m = group.size
-        route = all_to_all_route(comm_path(), send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
+        m, me = group.size, group.rank
+        route = all_to_all_route(comm_path(), send.shape, split_axis, split_sizes, concat_axis, concat_sizes,
+                                 out.dtype.itemsize, ALLTOALLV_FROM)
         send = _contiguous(send)
         item = out.dtype.itemsize
         etype = element_type(item)
@@ -281,24 +303,36 @@ class MPIBackend:
         recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
         send_counts = [prod(b) for b in send_blocks]
         recv_counts = [prod(b) for b in recv_blocks]
-        # a side whose blocks are already contiguous moves in place, with no copy
+        own_local = route is Route.A2A_V  # the own block: one NumPy copy, not pack + MPI + unpack
+        if own_local:
+            out[(slice(None),) * concat_axis + (slice(c_offs[me], c_offs[me] + concat_sizes[me]),)] = \
+                send[(slice(None),) * split_axis + (slice(s_offs[me], s_offs[me] + split_sizes[me]),)]
+        moved_send = [0 if own_local and j == me else n for j, n in enumerate(send_counts)]
+        moved_recv = [0 if own_local and j == me else n for j, n in enumerate(recv_counts)]
+        # a side whose blocks are already contiguous moves in place, with no copy; a packed
+        # side holds only the blocks MPI moves
         pack_needed = padded or view3(send.shape, split_axis)[0] > 1
         unpack_needed = padded or view3(out.shape, concat_axis)[0] > 1
         if padded:
             width = _global_block(send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
             send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
         else:
-            send_at, recv_at = offsets(send_counts), offsets(recv_counts)
-        pack = _xp(out).empty(m * width if padded else send.size, out.dtype) if pack_needed else send.reshape(-1)
-        unpack = _xp(out).empty(m * width if padded else out.size, out.dtype) if unpack_needed else out.reshape(-1)
+            send_at = offsets(moved_send if pack_needed else send_counts)
+            recv_at = offsets(moved_recv if unpack_needed else recv_counts)
+        pack = _empty(out, m * width if padded else sum(moved_send), out.dtype) if pack_needed else send.reshape(-1)
+        unpack = _empty(out, m * width if padded else sum(moved_recv), out.dtype) if unpack_needed else out.reshape(-1)
         if pack_needed:
             for j, (n, o) in enumerate(zip(split_sizes, s_offs)):
+                if own_local and j == me:
+                    continue
                 dst = pack[send_at[j] : send_at[j] + send_counts[j]].reshape(send_blocks[j])
                 dst[...] = send[(slice(None),) * split_axis + (slice(o, o + n),)]
 
         def finish() -> np.ndarray:
             if unpack_needed:
                 for j, (n, o) in enumerate(zip(concat_sizes, c_offs)):
+                    if own_local and j == me:
+                        continue
                     src = unpack[recv_at[j] : recv_at[j] + recv_counts[j]].reshape(recv_blocks[j])
                     out[(slice(None),) * concat_axis + (slice(o, o + n),)] = src
             return out
@@ -320,8 +354,8 @@ class MPIBackend:
                 lambda: comm.Ialltoall([pack, n, etype], [unpack, n, etype]),
                 finish, (pack, unpack, send, out),
             )
-        sspec = [pack, (send_counts, send_at), etype]
-        rspec = [unpack, (recv_counts, recv_at), etype]
+        sspec = [pack, (moved_send, send_at), etype]
+        rspec = [unpack, (moved_recv, recv_at), etype]
         return self._run(
             _what("all_to_all", group),
             async_op,
@@ -339,7 +373,7 @@ class MPIBackend:
         m = group.size
         wide = WIDENED.get(out.dtype)
         src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
-        dst = out if wide is None else _xp(out).empty(out.shape, dtype=wide)
+        dst = out if wide is None else _empty(out, out.shape, wide)
         mtype, op = reduction_type(dst.dtype), nan_aware_op(dst.dtype, reduce_op, _xp(out) is np)
         comm = group.comm
 
@@ -382,7 +416,7 @@ class MPIBackend:
         else:
             pack = _pack_by_destination(src3, sizes, width, dtype)
         direct = wide is None and not padded and out.flags.c_contiguous
-        dst = out if direct else _xp(out).empty(outer * (width or sizes[me]) * inner, dtype=dtype)
+        dst = out if direct else _empty(out, outer * (width or sizes[me]) * inner, dtype)
         comm = group.comm
         counts = [outer * n * inner for n in sizes]
 
@@ -441,7 +475,7 @@ class MPIBackend:
         else:
             outer, _, inner = view3(out.shape, axis)
             pack = _xp(out).empty(0, dtype=out.dtype)
-        recv = _xp(out).empty(outer * (width if padded else sizes[me]) * inner, dtype=out.dtype)
+        recv = _empty(out, outer * (width if padded else sizes[me]) * inner, out.dtype)
         comm = group.comm
 
         def finish() -> np.ndarray:
@@ -478,7 +512,7 @@ def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dty
     outer, _, inner = src3.shape
     blocks = [outer * (width or n) * inner for n in sizes]
     xp = _xp(src3)
-    pack = xp.zeros(sum(blocks), dtype=dtype) if width else xp.empty(sum(blocks), dtype=dtype)
+    pack = xp.zeros(sum(blocks), dtype=dtype) if width else pool.empty(xp, sum(blocks), dtype)
     start = 0
     for n, o, b in zip(sizes, offsets(sizes), blocks):
         pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]

@@ -36,35 +36,39 @@ class Route(Enum):
         return "padded" in self.value
 
 
-def gather_route(path: str, sizes: Sequence[int], outer: int, out_nbytes: int, padded_from: int) -> Route:
+def gather_route(path: str, sizes: Sequence[int], outer: int, out_nbytes: int, w_from: int) -> Route:
     """All-gather of blocks ``sizes`` long along an axis with ``outer`` rows above it into an
-    output of ``out_nbytes`` (the same on every rank). ``padded_from``: the ``auto`` path's
-    threshold for padding an uneven contiguous gather."""
+    output of ``out_nbytes`` (the same on every rank). ``w_from``: the ``auto`` path's output
+    size from which an uneven contiguous gather takes ``Alltoallw`` (the own block copied
+    locally, the others written in place) instead of ``Allgatherv``."""
     if out_nbytes == 0:
         return Route.NOTHING
     even = len(set(sizes)) == 1
     if even:
         return Route.GATHER_EQUAL if outer == 1 else Route.GATHER_W
-    if outer == 1 and (path == "padded" or (path == "auto" and out_nbytes >= padded_from)):
-        return Route.GATHER_PADDED_COMPACT
     if path == "padded":
-        return Route.GATHER_PADDED_STRIDED
-    return Route.GATHER_V if outer == 1 else Route.GATHER_W
+        return Route.GATHER_PADDED_COMPACT if outer == 1 else Route.GATHER_PADDED_STRIDED
+    if outer == 1 and (path == "variable" or out_nbytes < w_from):
+        return Route.GATHER_V
+    return Route.GATHER_W
 
 
 def all_to_all_route(
     path: str, send_shape: Sequence[int], split_axis: int, split_sizes: Sequence[int],
-    concat_axis: int, concat_sizes: Sequence[int],
+    concat_axis: int, concat_sizes: Sequence[int], itemsize: int, variable_from: int,
 ) -> Route:
     """All-to-all splitting ``split_axis`` by ``split_sizes`` and concatenating received blocks
     along ``concat_axis`` by ``concat_sizes``. Blocks are all equal exactly when both size
     lists are uniform, a fact of the whole group (a rank whose own counts happen to be equal,
-    e.g. all zero, must not pick ``Alltoall`` while the others call ``Alltoallv``)."""
+    e.g. all zero, must not pick ``Alltoall`` while the others call ``Alltoallv``). From
+    ``variable_from`` bytes of the whole tensor (a shared fact too) ``Alltoallv`` is taken even
+    for equal blocks, so the own block can stay out of the call."""
     others = [n for i, n in enumerate(send_shape) if i not in (split_axis, concat_axis)]
     if prod(others) == 0 or sum(split_sizes) == 0 or sum(concat_sizes) == 0:
         return Route.NOTHING
     if path == "padded":
         return Route.A2A_PADDED
-    if len(set(split_sizes)) == 1 and len(set(concat_sizes)) == 1:
-        return Route.A2A_EQUAL  # MPICH's Alltoall is 1.3-2x faster than its Alltoallv
+    total = prod(others) * sum(split_sizes) * sum(concat_sizes) * itemsize
+    if len(set(split_sizes)) == 1 and len(set(concat_sizes)) == 1 and total < variable_from:
+        return Route.A2A_EQUAL  # MPICH's Alltoall is 1.3-2x faster than its Alltoallv on small blocks
     return Route.A2A_V

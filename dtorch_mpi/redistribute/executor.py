@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..comm import Backend, Group, Handle, backend_for, completed
+from ..comm import Backend, Group, Handle, backend_for, completed, pool
 from ..comm.work import before_collective
-from ..mesh import cached_per_mesh
+from ..mesh import cached_per_mesh, release_on_free
 from ..placement import Placement
 from ..split import local_shape_and_offset, split_range, split_sizes
 from .planner import StepKind, plan_redistribute
@@ -78,13 +78,13 @@ def _bounds(size_start: tuple[int, int]) -> tuple[int, int]:
 
 
 def _collective(kind: StepKind) -> Callable[[CompiledStep, Any, Any, Backend, bool], Handle]:
-    """The runner calling the backend collective named ``kind``, into a new buffer of the
-    step's output shape."""
+    """The runner calling the backend collective named ``kind``, into a buffer of the step's
+    output shape (reused across calls once nobody holds the previous one: comm/pool.py)."""
     name = kind.value
 
     def run(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
         call = getattr(backend, name)
-        return call(step.group, x, xp.empty(step.out_shape, dtype=x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
+        return call(step.group, x, pool.empty(xp, step.out_shape, x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
 
     return run
 
@@ -144,6 +144,9 @@ def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compile
         compiled.append(CompiledStep(step.kind, group, args, out_shape, rule.run))
         placements, shape = after, out_shape
     return CompiledPlan(out_spec, tuple(compiled), xp)
+
+
+release_on_free(pool.clear)  # pooled buffers may hold a freed mesh's pieces' memory
 
 
 def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:

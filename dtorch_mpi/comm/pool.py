@@ -1,0 +1,123 @@
+"""Reused host buffers for collective outputs and temporaries (a small caching allocator).
+
+A collective into freshly allocated NumPy memory pays the page faults of touching it (with
+MPICH up to 2.5x the same collective into a reused buffer at 4-64 MB), and a redistribute in a
+training loop allocates the same sizes every step. So the pool keeps the 1-D byte arrays it
+allocated ("owners") and hands out typed views of them. Every view of a view keeps the owner
+referenced (NumPy collapses ``.base`` to the owner), and so does anything built on one (a
+``memoryview``, ``torch.from_numpy``, an in-flight request's keep-list). An owner whose
+reference count shows that only the pool holds it is therefore unused by anyone, and only
+such an owner is handed out again: a buffer still in use, or any slice of it, is never reused.
+
+Bounded by ``DTORCH_BUFFER_POOL_BYTES`` (default 256 MiB, ``0`` turns pooling off; the oldest
+owners are forgotten first, which never frees one still in use: its users keep it). Small
+buffers bypass the pool (malloc reuses them without page faults, and the pool would only add
+Python time). Emptied by ``DeviceMesh.free()``. CuPy buffers go to CuPy's own caching allocator.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import OrderedDict
+from math import prod
+from typing import Any
+
+import numpy as np
+
+POOLED_FROM = 256 << 10
+"""Smallest buffer (bytes) worth pooling: below it glibc malloc reuses freed heap memory."""
+
+_owners: "OrderedDict[int, list[np.ndarray]]" = OrderedDict()  # nbytes -> owners, oldest size first
+_held = 0
+_cap: int | None = None
+
+
+def pool_cap() -> int:
+    """The most bytes the pool keeps (``DTORCH_BUFFER_POOL_BYTES``)."""
+    global _cap
+    if _cap is None:
+        _cap = _parse_cap(os.environ.get("DTORCH_BUFFER_POOL_BYTES", str(256 << 20)))
+    return _cap
+
+
+def _parse_cap(text: str) -> int:
+    try:
+        cap = int(text)
+    except ValueError:
+        cap = -1
+    if cap < 0:
+        raise ValueError(f"DTORCH_BUFFER_POOL_BYTES={text!r} must be a byte count >= 0 (0 turns buffer reuse off)")
+    return cap
+
+
+def set_pool_cap(nbytes: int) -> None:
+    """Bound the pool to ``nbytes`` (0 turns reuse off); forgets owners beyond the new bound."""
+    global _cap
+    _cap = _parse_cap(str(nbytes))
+    _shrink(0)
+
+
+def held_bytes() -> int:
+    """Bytes of the owners the pool keeps (in use or idle)."""
+    return _held
+
+
+def clear() -> None:
+    """Forget every owner (buffers still in use stay alive with their users)."""
+    global _held
+    _owners.clear()
+    _held = 0
+
+
+def _refcounts(bucket: list[np.ndarray]) -> list[int]:
+    return [sys.getrefcount(owner) for owner in bucket]
+
+
+def _find_idle(bucket: list[np.ndarray]) -> np.ndarray | None:
+    for owner, refs in zip(bucket, _refcounts(bucket)):
+        if refs <= _IDLE_REFS:
+            return owner
+    return None
+
+
+def _probe_idle_refs() -> int:
+    """The reference count an owner nobody else holds shows in ``_refcounts`` (measured once
+    through the same code path, so it holds on any interpreter)."""
+    return _refcounts([np.empty(1, np.uint8)])[0]
+
+
+_IDLE_REFS = _probe_idle_refs()
+
+
+def _shrink(incoming: int) -> None:
+    """Forget the oldest owners until ``incoming`` more bytes fit under the cap."""
+    global _held
+    while _owners and _held + incoming > pool_cap():
+        nbytes, bucket = next(iter(_owners.items()))
+        bucket.pop(0)
+        _held -= nbytes
+        if not bucket:
+            del _owners[nbytes]
+
+
+def empty(xp: Any, shape: tuple[int, ...] | int, dtype: Any) -> Any:
+    """An uninitialised array like ``xp.empty(shape, dtype)``, reusing an idle pooled owner of
+    the same size when there is one (NumPy buffers from :data:`POOLED_FROM` bytes on)."""
+    if xp is not np:
+        return xp.empty(shape, dtype=dtype)
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = prod(dims) * dt.itemsize
+    if nbytes < POOLED_FROM or dt.hasobject or nbytes > pool_cap():
+        return np.empty(dims, dtype=dt)
+    bucket = _owners.get(nbytes)
+    owner = _find_idle(bucket) if bucket else None
+    if owner is None:
+        global _held
+        _shrink(nbytes)
+        owner = np.empty(nbytes, np.uint8)
+        _owners.setdefault(nbytes, []).append(owner)
+        _held += nbytes
+    _owners.move_to_end(nbytes)
+    return owner.view(dt).reshape(dims)
