@@ -36,7 +36,7 @@ def test_an_async_gather_fills_its_output_while_the_caller_makes_no_mpi_call(
     block has arrived; without background progress it would wait forever (bounded here)."""
     group = Group(mesh1d.get_group(0), 0)
     m = group.size
-    sizes = split_sizes(ROWS_PER_RANK * m - 1, m)  # uneven: one rank holds a row less
+    sizes = split_sizes(ROWS_PER_RANK * m, m)  # equal blocks: every path gathers straight into ``out``
     full = np.arange(sum(sizes), dtype=np.float64)
     start = sum(sizes[: group.rank])
     out = np.full_like(full, -1.0)
