@@ -90,12 +90,15 @@ def main() -> None:
                 os.fsync(fd)
                 os.close(fd)
 
-        def raw_read() -> None:
+        def raw_read() -> list[np.ndarray]:
+            fresh = []  # every piece kept, as a load that changes nothing until all are read must
             with h5py.File(raw_path, "r", driver="mpio", comm=WORLD) as f:
                 for k, piece in pieces.items():
                     ds = f[k.replace(".", "/")]
+                    fresh.append(np.empty_like(piece))
                     with ds.collective:
-                        ds.read_direct(np.empty_like(piece), np.s_[offset[0] : offset[0] + piece.shape[0]])
+                        ds.read_direct(fresh[-1], np.s_[offset[0] : offset[0] + piece.shape[0]])
+            return fresh
 
         cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]] = {
             "save": (lambda: dt.save(state, ours_path), None if args.no_raw else raw_write),
