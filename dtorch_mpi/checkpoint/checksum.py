@@ -30,7 +30,7 @@ MASK = (1 << 64) - 1
 ROW_SEED = 0x6474_6F72_6368_0001
 COL_SEED = 0x6474_6F72_6368_0002
 DIGIT = 1 << 16  # weights are products of 4 table entries, one per 16-bit digit of the index
-STEP_WORDS = DIGIT  # words widened to uint64 at a time (512 KiB, reused: stays in L2; a column window fits)
+STEP_WORDS = 1 << 16  # words widened to uint64 at a time (512 KiB, reused: stays in L2)
 BLOCK_ROWS = 1 << 17  # rows weighted at a time (bounds the row sums and weights to 1 MiB each)
 _WORD: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2")}  # anything wider is cut into 32-bit words
 _tables: dict[int, np.ndarray] = {}
@@ -105,7 +105,8 @@ def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int
     n_rows, n_cols = words.shape
     col0 = (offset[-1] if block.ndim else 0) * per
     low = _table(COL_SEED)[0]
-    wide = np.empty(min(words.size, STEP_WORDS), dtype=np.uint64)  # reused, so the widened words stay in cache
+    # reused for every step (so the widened words stay in cache); a step is whole rows of one window
+    wide = np.empty(min(words.size, max(STEP_WORDS, min(n_cols, DIGIT))), dtype=np.uint64)
     total = 0
     c = 0
     while c < n_cols:  # column windows aligned on DIGIT: the low digit's factors are a table slice
