@@ -157,7 +157,8 @@ def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
 def _commit(param: Any, piece: Any) -> None:
     """Swap the verified piece in as the parameter's local array: no copy (the old array is left
     as it was, so an autograd graph that saved it still sees the values it saved)."""
-    param._local, param._pending = piece, None
+    param.to_local()  # a pending (lazy) redistribute into this tensor completes first, as before
+    param._local = piece
 
 
 def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> None:
