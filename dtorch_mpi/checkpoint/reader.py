@@ -1,5 +1,5 @@
 """Reading validated datasets into parameters: verified against the stored checksums, and only
-then copied in, so a failed load changes nothing.
+then installed, so a failed load changes nothing.
 
 Every rank reads its own hyperslab in the file's dtype and adds its checksum term
 (checksum.py); the terms of all ranks are gathered once, and each dataset's sum must equal
