@@ -15,7 +15,9 @@ the same value whatever the partition. Definition, for a dataset of global shape
 Any single flipped bit changes the sum (an odd weight times ``2**b``, ``b < 32``, is never 0
 mod ``2**64``); other damage (zeroed regions, fill values) goes unnoticed with probability about
 ``2**-32`` or less. It is a check against accidental damage, not a cryptographic hash. Cost: one
-integer matrix-vector product per block (about as fast as zlib.crc32 in NumPy, several GB/s).
+pass that widens L2-sized blocks of words to uint64 in one reused buffer and multiply-adds them
+with ``einsum``: 4.5-6 GB/s on one core, at least as fast as zlib.crc32 and twice adler32 timed in
+the same run (and neither of those can be combined across partitions).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ MASK = (1 << 64) - 1
 ROW_SEED = 0x6474_6F72_6368_0001
 COL_SEED = 0x6474_6F72_6368_0002
 DIGIT = 1 << 16  # weights are products of 4 table entries, one per 16-bit digit of the index
-BLOCK_WORDS = 1 << 20  # words hashed per step (bounds the uint64 temporaries to 8 MiB)
+STEP_WORDS = 1 << 16  # words widened to uint64 at a time (512 KiB, reused: stays in L2)
+BLOCK_ROWS = 1 << 17  # rows weighted at a time (bounds the row sums and weights to 1 MiB each)
 _WORD: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2")}  # anything wider is cut into 32-bit words
 _tables: dict[int, np.ndarray] = {}
 
@@ -102,6 +105,8 @@ def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int
     n_rows, n_cols = words.shape
     col0 = (offset[-1] if block.ndim else 0) * per
     low = _table(COL_SEED)[0]
+    # reused for every step (so the widened words stay in cache); a step is whole rows of one window
+    wide = np.empty(min(words.size, max(STEP_WORDS, min(n_cols, DIGIT))), dtype=np.uint64)
     total = 0
     c = 0
     while c < n_cols:  # column windows aligned on DIGIT: the low digit's factors are a table slice
@@ -109,11 +114,14 @@ def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int
         width = min(n_cols - c, DIGIT - g % DIGIT)
         high = _high_factor(g, COL_SEED)
         cw = low[g % DIGIT : g % DIGIT + width]
-        step = max(1, BLOCK_WORDS // width)
-        for r in range(0, n_rows, step):
-            count = min(step, n_rows - r)
-            part = words[r : r + count, c : c + width].astype(np.uint64) @ cw
-            total += high * int(_row_weights(r, count, block, offset, global_shape) @ part)
+        step = max(1, STEP_WORDS // width)
+        for r0 in range(0, n_rows, BLOCK_ROWS):
+            sums = np.empty(min(BLOCK_ROWS, n_rows - r0), dtype=np.uint64)
+            for r in range(0, len(sums), step):
+                part = wide[: min(step, len(sums) - r) * width].reshape(-1, width)
+                np.copyto(part, words[r0 + r : r0 + r + len(part), c : c + width])
+                np.einsum("ij,j->i", part, cw, out=sums[r : r + len(part)])  # SIMD multiply-add, wraps mod 2**64
+            total += high * int(np.einsum("i,i->", _row_weights(r0, len(sums), block, offset, global_shape), sums))
         c += width
     return total & MASK
 

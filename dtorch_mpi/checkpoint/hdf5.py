@@ -8,7 +8,7 @@ only: any target layout can load it). No pickle anywhere; plain h5py reads it.
 
 Loads treat the file as untrusted (validate.py): links, external storage, virtual datasets,
 filters and oversized chunks are refused before a byte is read, and every dataset is verified
-against its checksum before anything is copied into the target (reader.py).
+against its checksum before anything is installed in the target (reader.py).
 
 Writes: with an MPI-enabled h5py the file is opened with ``driver="mpio"`` and every rank
 writes its own hyperslab in one collective call per tensor (ranks with nothing to write still

@@ -1,13 +1,14 @@
 """Reading validated datasets into parameters: verified against the stored checksums, and only
-then copied in, so a failed load changes nothing.
+then installed, so a failed load changes nothing.
 
 Every rank reads its own hyperslab in the file's dtype and adds its checksum term
 (checksum.py); the terms of all ranks are gathered once, and each dataset's sum must equal
 its stored checksum times the number of ranks that read each element (replicas all read and
 all verify). Two staging modes bound the memory a load needs on top of the model:
 
-- ``"all"`` (default): every piece is read into a new buffer, verified, then copied in. Peak
-  extra memory: every piece this rank loads (one more copy of its share of the model).
+- ``"all"`` (default): every piece is read into a new buffer and verified; the new buffers then
+  replace the parameters' local arrays (no copy). Peak extra memory: every piece this rank
+  loads (one more copy of its share of the model, until the old arrays are released).
 - ``"chunks"``: a first pass reads each piece in chunks of at most ``CHUNK_BYTES`` (or one
   slice along the piece's first dim, if bigger) and only hashes them; after verification a second
   pass reads each chunk again, checks that it hashes as in the first pass, and copies it in.
@@ -154,11 +155,10 @@ def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
 
 
 def _commit(param: Any, piece: Any) -> None:
-    local = param.to_local()
-    if local.shape == piece.shape and getattr(local.flags, "writeable", True):
-        local[...] = piece
-    else:
-        param._replace(piece, param.spec)
+    """Swap the verified piece in as the parameter's local array: no copy (the old array is left
+    as it was, so an autograd graph that saved it still sees the values it saved)."""
+    param.to_local()  # a pending (lazy) redistribute into this tensor completes first, as before
+    param._local = piece
 
 
 def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> None:
@@ -177,4 +177,4 @@ def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> 
         where = tuple(slice(o - b, o - b + s) for o, b, s in zip(off, block[0], raw.shape))
         target[where] = xp.asarray(raw.astype(param.dtype, copy=False))
     if not direct:
-        param._replace(target, param.spec)
+        _commit(param, target)
