@@ -322,7 +322,8 @@ def _send_pieces(array: Any, local: Any, mesh: DeviceMesh, plc: tuple[Placement,
     coord = mesh.get_coordinate()
     assert coord is not None  # ranks outside the mesh never get here
     top = tuple(int(v) for v in np.unravel_index(root, mesh.shape))
-    held = xp.asarray(array) if coord == top else None  # the region this rank knows
+    # the region this rank knows, in C order: MPI moves memory order, and the receivers read C order
+    held = xp.ascontiguousarray(array) if coord == top else None
     for k, p in enumerate(plc):
         if coord[k + 1 :] != top[k + 1 :]:
             continue  # this rank's region arrives in a later step

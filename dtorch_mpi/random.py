@@ -14,6 +14,7 @@ Default seed: 0 (or ``DTORCH_SEED``); every rank must make the same sequence of 
 from __future__ import annotations
 
 import os
+import threading
 from math import prod
 from typing import Any
 
@@ -126,7 +127,8 @@ def _uniform_bits_to_float(bits: Any, out: Any, xp: Any) -> None:
     xp.multiply(bits, dtype.type(2.0**-mant), out=out, casting="unsafe")
 
 
-_SCRATCH: dict[int, tuple[Any, Any, Any]] = {}  # host work buffers by element count
+_SCRATCH_KEPT = 1 << 18  # elements (2 MiB per buffer): longer blocks (rows wider than this) get fresh buffers
+_scratch = threading.local()  # this thread's kept host work buffers
 
 
 def _memory(xp: Any) -> Any:
@@ -134,16 +136,18 @@ def _memory(xp: Any) -> Any:
     return None if xp is np else xp.cuda.Device().id
 
 
-def _scratch(xp: Any, n: int) -> tuple[Any, Any, Any]:
-    """Three uint64 work buffers of ``n`` elements. Host buffers are kept from call to call: a
-    fresh buffer of a few hundred KB is a fresh mmap whose page faults cost more than the
-    arithmetic on it. CuPy's memory pool already reuses device memory (and orders it by stream)."""
-    if xp is not np:
+def _work_buffers(xp: Any, n: int) -> tuple[Any, Any, Any]:
+    """Three uint64 work buffers of ``n`` elements. Host buffers up to ``_SCRATCH_KEPT``
+    elements are kept from call to call (one set per thread, as large as the largest block
+    asked for): a fresh buffer of a few hundred KB is a fresh mmap whose page faults cost more
+    than the arithmetic on it. CuPy's memory pool already reuses device memory (and orders it
+    by stream)."""
+    if xp is not np or n > _SCRATCH_KEPT:
         return xp.empty(n, dtype=xp.uint64), xp.empty(n, dtype=xp.uint64), xp.empty(n, dtype=xp.uint64)
-    bufs = _SCRATCH.get(n)
-    if bufs is None:
-        bufs = _SCRATCH[n] = (np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, np.uint64))
-    return bufs
+    kept = getattr(_scratch, "buffers", None)
+    if kept is None or kept[0].size < n:
+        kept = _scratch.buffers = (np.empty(n, np.uint64), np.empty(n, np.uint64), np.empty(n, np.uint64))
+    return kept[0][:n], kept[1][:n], kept[2][:n]
 
 
 def uniform(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...],
@@ -151,7 +155,7 @@ def uniform(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...
     """Uniform [0, 1) values of the local piece."""
     ctr = _Counters(key, global_shape, local_shape, offset, xp, _UNIFORM_CHUNK)
     out = xp.empty(ctr.size, dtype=dtype)
-    block, scratch, _ = _scratch(xp, ctr.rows_per_block * max(ctr.width, 1))
+    block, scratch, _ = _work_buffers(xp, ctr.rows_per_block * max(ctr.width, 1))
     for start, stop in ctr.blocks(block):
         x = block[: stop - start]
         _mix(x, scratch[: x.size], xp)
@@ -278,7 +282,7 @@ def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...]
     """Standard normal values of the local piece."""
     ctr = _Counters(key, global_shape, local_shape, offset, xp, _NORMAL_CHUNK)
     out = xp.empty(ctr.size, dtype=dtype)
-    block, bits, mixing = _scratch(xp, ctr.rows_per_block * max(ctr.width, 1))
+    block, bits, mixing = _work_buffers(xp, ctr.rows_per_block * max(ctr.width, 1))
     slow_at, slow_ctr, slow_x, slow_layer, slow_neg = [], [], [], [], []
     for start, stop in ctr.blocks(block):
         c = block[: stop - start]

@@ -139,26 +139,27 @@ def test_strict_and_partial_loads(mesh1d: dt.DeviceMesh, shared_dir: str) -> Non
 
 
 @pytest.mark.parametrize("staging", ["all", "chunks"])
-def test_load_swaps_new_pieces_in_and_leaves_the_old_arrays(staging: str, mesh1d: dt.DeviceMesh, shared_dir: str,
-                                                            check: Checker) -> None:
-    """staging="all": the verified pieces become the targets' local arrays (no copy), so an array
-    taken with to_local() before the load keeps its values ("chunks" streams into the existing
-    arrays instead). With both, a target still waiting on an async redistribute gets that
-    collective completed before its piece is replaced."""
+def test_load_is_in_place_for_every_holder_of_the_old_arrays(staging: str, mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                              check: Checker) -> None:
+    """Both staging modes load in place: an array taken with to_local() before the load, and a
+    second DTensor sharing a target's local array (tied weights), see the loaded values; a
+    target still waiting on an async redistribute gets that collective completed first."""
     path = os.path.join(shared_dir, "ck.h5")
     shape = (2 * SIZE + 1, 3)
     fulls, sd = state(mesh1d, LAYOUTS_1D, shape)
     dt.save(sd, path)
     tgt = targets(mesh1d, LAYOUTS_1D, shape)
-    before = {k: v.to_local() for k, v in tgt.items()}
-    olds = {k: np.array(a, copy=True) for k, a in before.items()}
+    held = [k for k in tgt if k != "layer1.w"]  # layer1.w: nobody else holds its array (swapped in)
+    before = {k: tgt[k].to_local() for k in held}
+    tied = {k: dt.DTensor.from_local(tgt[k].to_local(), mesh1d, tgt[k].placements, shape=tgt[k].shape) for k in held}
     tgt["layer0.w"] = dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d,
                                placements=[dt.Replicate()]).redistribute(placements=[dt.Shard(0)], async_op=True)
     dt.load(path, tgt, staging=staging)
     for k, v in tgt.items():
         check.equal(v.to_torch(), fulls[k], f"{k} -> {list(v.placements)}")
-        if staging == "all" and k != "layer0.w":
-            check.true(np.array_equal(before[k], olds[k]), f"{k}: the array taken before the load changed")
+        if k in held and k != "layer0.w":
+            check.true(np.array_equal(before[k], v.to_local()), f"{k}: the array taken before the load was not loaded")
+            check.equal(tied[k].to_torch(), fulls[k], f"{k}: a tensor sharing the array")
     check.done()
 
 

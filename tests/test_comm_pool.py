@@ -108,3 +108,23 @@ def test_redistributes_stay_correct_while_buffers_are_reused(
     for y, full, what in results:
         check.equal(y.to_torch(), full, what)
     check.done()
+
+
+def test_a_dropped_async_result_keeps_its_buffers_from_the_next_call(
+    mesh1d: dt.DeviceMesh, small_pool: None, check: Checker,
+) -> None:
+    """MPI may still be writing into a dropped async result's buffers: the next redistribute of
+    the same sizes, started at once, must get other buffers (the in-flight registry holds them),
+    and both transfers must deliver their own values."""
+    shape = (4 * SIZE + 1, 3)
+    first, second = integer_full(shape, seed=1), integer_full(shape, seed=2)
+    for src, dst in [([dt.Shard(0)], [dt.Replicate()]), ([dt.Shard(0)], [dt.Shard(1)]),
+                     ([dt.Partial("sum")], [dt.Shard(0)])]:
+        x1 = dt.DTensor.from_local(make_pieces(first, mesh1d, src), mesh1d, src, shape=shape)
+        x2 = dt.DTensor.from_local(make_pieces(second, mesh1d, src), mesh1d, src, shape=shape)
+        x1.redistribute(mesh1d, dst, async_op=True)  # dropped unwaited
+        x1.to_torch_async()  # dropped unwaited
+        y = x2.redistribute(mesh1d, dst)
+        check.equal(y.to_torch(), second, f"{src} -> {dst} after dropped async ones")
+        check.equal(x1.redistribute(mesh1d, dst).to_torch(), first, f"{src} -> {dst} of the first")
+    check.done()

@@ -56,6 +56,22 @@ def test_distribute_tensor_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.Dev
     check.done()
 
 
+@pytest.mark.parametrize("layout", ["fortran", "strided"])
+def test_distribute_tensor_of_a_non_c_contiguous_source(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                                        check: Checker, layout: str) -> None:
+    """MPI moves memory order: a Fortran-ordered or strided source must still arrive as its
+    values (it is made C-contiguous at the root) for every placement, from the last rank."""
+    for mesh, plist in ((mesh1d, placements_1d()), (mesh2d, placements_2d())):
+        for n in lengths_for(mesh.size()):
+            full = reference((n, 3), seed=n)
+            src = np.asfortranarray(full) if layout == "fortran" else np.repeat(full, 2, axis=1)[:, ::2]
+            for placements in plist:
+                x = dt.distribute_tensor(src if RANK == SIZE - 1 else None, mesh, placements, src_data_rank=SIZE - 1)
+                what = f"{layout} mesh {mesh.shape} {placements} n={n}"
+                check.equal(x.to_local(), expected_piece(full, mesh, placements), what)
+    check.done()
+
+
 def test_distribute_tensor_does_not_alias(mesh1d: dt.DeviceMesh) -> None:
     full = np.zeros((SIZE * 2, 2))
     x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=None)

@@ -3,6 +3,7 @@ finishes while the caller makes no MPI call at all."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import Checker
 from mpi4py import MPI
+from mpi_launch import child_env, mpiexec
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import Group, backend_named
@@ -79,3 +81,27 @@ def test_a_wrong_progress_interval_is_a_clear_error(value: str, monkeypatch: pyt
         poll_interval()
 
 
+
+
+_FINALIZE_WITH_TRANSFERS_IN_FLIGHT = """
+import numpy as np
+from mpi4py import MPI
+import dtorch_mpi as dt
+mesh = dt.init_device_mesh("cpu", (MPI.COMM_WORLD.size,))
+x = dt.distribute_tensor(np.arange(1 << 18, dtype=np.float64), mesh, [dt.Shard(0)])
+kept = x.redistribute(placements=[dt.Replicate()], async_op=True)
+x.to_torch_async()  # dropped: still in flight when the program finalises MPI itself
+MPI.Finalize()
+print("finalized", flush=True)
+"""
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
+def test_finalizing_mpi_with_transfers_in_flight_stops_the_progress_thread_first() -> None:
+    """MPI_Finalize called by the program (not at exit) first stops the progress thread and
+    waits for the library's transfers (an attribute on COMM_SELF), so no MPI call follows it."""
+    proc = mpiexec(2, sys.executable, "-c", _FINALIZE_WITH_TRANSFERS_IN_FLIGHT, timeout=120,
+                   env=child_env(DTORCH_ASYNC_PROGRESS="thread"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert out.count("finalized") == 2 and "after finalizing" not in out, out

@@ -106,3 +106,13 @@ def test_debug_mode_catches_divergent_random_state(mesh1d: dt.DeviceMesh) -> Non
         assert dt.rand(4, device_mesh=mesh1d, placements=[dt.Shard(0)]).to_torch().shape == (4,)
     finally:
         set_spmd_debug(before)
+
+
+def test_kept_work_buffers_stay_bounded(mesh1d: dt.DeviceMesh) -> None:
+    """Host work buffers are reused between calls, but rows wider than the kept size get fresh
+    ones: drawing ever wider tensors never grows what the process keeps."""
+    for width in (rnd._SCRATCH_KEPT // 2, rnd._SCRATCH_KEPT + 1, 2 * rnd._SCRATCH_KEPT + 3):
+        for draw in (dt.rand, dt.randn):
+            draw(2, width, device_mesh=mesh1d, placements=[dt.Replicate()])
+    kept = rnd._scratch.buffers
+    assert len(kept) == 3 and all(b.size <= rnd._SCRATCH_KEPT for b in kept), [b.size for b in kept]

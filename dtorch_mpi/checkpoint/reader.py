@@ -6,9 +6,10 @@ Every rank reads its own hyperslab in the file's dtype and adds its checksum ter
 its stored checksum times the number of ranks that read each element (replicas all read and
 all verify). Two staging modes bound the memory a load needs on top of the model:
 
-- ``"all"`` (default): every piece is read into a new buffer and verified; the new buffers then
-  replace the parameters' local arrays (no copy). Peak extra memory: every piece this rank
-  loads (one more copy of its share of the model, until the old arrays are released).
+- ``"all"`` (default): every piece is read into a new buffer and verified; then each buffer is
+  loaded in place (``_commit``: swapped in, no copy, where nothing else references the old
+  array; copied into it otherwise). Peak extra memory: every piece this rank loads (one more
+  copy of its share of the model, until the old arrays are released).
 - ``"chunks"``: a first pass reads each piece in chunks of at most ``CHUNK_BYTES`` (or one
   slice along the piece's first dim, if bigger) and only hashes them; after verification a second
   pass reads each chunk again, checks that it hashes as in the first pass, and copies it in.
@@ -18,6 +19,7 @@ all verify). Two staging modes bound the memory a load needs on top of the model
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Mapping
 from math import prod
 from typing import Any
@@ -154,11 +156,40 @@ def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
     return raw
 
 
+class _Holder:
+    _local: Any = None
+
+
+def _refs_to_local(holder: Any) -> int:
+    """References to ``holder._local``, counted from here."""
+    return sys.getrefcount(holder._local)
+
+
+def _probe_unshared_refs() -> int:
+    """What ``_refs_to_local`` shows for an array only its holder references (measured once
+    through the same code path, so it holds on any interpreter)."""
+    holder = _Holder()
+    holder._local = np.empty(1)
+    return _refs_to_local(holder)
+
+
+_UNSHARED_REFS = _probe_unshared_refs()
+
+
 def _commit(param: Any, piece: Any) -> None:
-    """Swap the verified piece in as the parameter's local array: no copy (the old array is left
-    as it was, so an autograd graph that saved it still sees the values it saved)."""
-    param.to_local()  # a pending (lazy) redistribute into this tensor completes first, as before
-    param._local = piece
+    """Load the verified piece into the parameter, in place (the contract; PyTorch's ``copy_``):
+    when nothing but the parameter references its local array (no ``to_local()`` result kept,
+    no tensor sharing the array, not a view) swapping the piece in is indistinguishable from
+    copying it and saves the copy; otherwise the piece is copied into the existing array, so
+    everyone holding it sees the loaded values."""
+    param.to_local()  # a pending (lazy) redistribute into this tensor completes first
+    local = param._local
+    owned = getattr(local, "base", None) is None and getattr(local.flags, "writeable", True)
+    del local
+    if owned and _refs_to_local(param) <= _UNSHARED_REFS:
+        param._local = piece
+    else:
+        param._local[...] = piece
 
 
 def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> None:

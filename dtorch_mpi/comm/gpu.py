@@ -251,6 +251,14 @@ def _nccl_op(reduce_op: str, dtype: Any) -> Any:
     return {"sum": nccl.NCCL_SUM, "avg": nccl.NCCL_SUM, "max": nccl.NCCL_MAX, "min": nccl.NCCL_MIN}[reduce_op]
 
 
+def _averaged(total: Any, m: int, reduce_op: str, dtype: Any) -> Any:
+    """``avg``: the sum divided by the group size (floored for integers, as NumPy's ``//``);
+    a bool average travels as "any" (``_nccl_op``), which is already the result's truth value."""
+    if reduce_op != "avg" or np.dtype(dtype) == np.bool_:
+        return total
+    return total // m if total.dtype.kind in "iu" else total / m
+
+
 def _flat_blocks(a: Any, axis: int, sizes: Sequence[int]) -> list[Any]:
     """Block ``j`` (``sizes[j]`` long on ``axis``) of ``a`` as a contiguous 1-d array: a view
     when the blocks are contiguous already (nothing above ``axis``), else a copy."""
@@ -365,8 +373,7 @@ class NCCLBackend:
 
         if (nan := self._nan_mask(src, reduce_op, out.dtype, src.size, any_rank)) is not None:
             dst[nan] = np.nan
-        if reduce_op == "avg":
-            dst = dst // m if dst.dtype.kind in "iu" else dst / m
+        dst = _averaged(dst, m, reduce_op, out.dtype)
         out[...] = self._unwire(dst, out.dtype).reshape(out.shape)
         return completed(out)
 
@@ -395,8 +402,7 @@ class NCCLBackend:
 
         if (nan := self._nan_mask(src, reduce_op, out.dtype, count, any_rank)) is not None:
             dst[nan] = np.nan
-        if reduce_op == "avg":
-            dst = dst // m if dst.dtype.kind in "iu" else dst / m
+        dst = _averaged(dst, m, reduce_op, out.dtype)
         got = self._unwire(dst, out.dtype).reshape(outer, width, inner)[:, : sizes[me], :]
         out[...] = got.reshape(out.shape)
         return completed(out)

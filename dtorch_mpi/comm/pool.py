@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections import OrderedDict
 from math import prod
 from typing import Any
@@ -30,6 +31,7 @@ POOLED_FROM = 256 << 10
 
 _owners: "OrderedDict[int, list[np.ndarray]]" = OrderedDict()  # nbytes -> owners, oldest size first
 _held = 0
+_lock = threading.Lock()
 _cap: int | None = None
 
 
@@ -111,13 +113,14 @@ def empty(xp: Any, shape: tuple[int, ...] | int, dtype: Any) -> Any:
     nbytes = prod(dims) * dt.itemsize
     if nbytes < POOLED_FROM or dt.hasobject or nbytes > pool_cap():
         return np.empty(dims, dtype=dt)
-    bucket = _owners.get(nbytes)
-    owner = _find_idle(bucket) if bucket else None
-    if owner is None:
-        global _held
-        _shrink(nbytes)
-        owner = np.empty(nbytes, np.uint8)
-        _owners.setdefault(nbytes, []).append(owner)
-        _held += nbytes
-    _owners.move_to_end(nbytes)
-    return owner.view(dt).reshape(dims)
+    with _lock:  # one thread's idle owner must not be handed to another before it holds a view
+        bucket = _owners.get(nbytes)
+        owner = _find_idle(bucket) if bucket else None
+        if owner is None:
+            global _held
+            _shrink(nbytes)
+            owner = np.empty(nbytes, np.uint8)
+            _owners.setdefault(nbytes, []).append(owner)
+            _held += nbytes
+        _owners.move_to_end(nbytes)
+        return owner.view(dt).reshape(dims)

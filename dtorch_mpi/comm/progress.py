@@ -22,7 +22,6 @@ moves no data), so ranks need not agree on it.
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 from collections.abc import Callable
@@ -113,7 +112,6 @@ def started(busy: Callable[[], bool]) -> None:
         return
     if _thread is None:
         _thread = ProgressThread(busy, poll_interval())
-        atexit.register(stop)  # runs before comm/work.py's drain and mpi4py's finaliser
     _thread.kick()
 
 
@@ -126,7 +124,7 @@ def set_progress_mode(mode: str) -> None:
 
 
 def stop() -> None:
-    """Stop the progress thread if one runs (at exit, before MPI is finalised)."""
+    """Stop the progress thread if one runs (called as MPI is finalised: comm/work.py)."""
     global _thread
     if _thread is not None:
         _thread.stop()

@@ -6,7 +6,8 @@ of in-flight requests, not by the handle: dropping a handle (a ``redistribute(as
 result deleted before use, a ``to_torch_async()`` handle never waited) leaves the buffers alive
 until MPI is done. Completed requests are reaped at the start of every later collective
 (``reap()``) and at exit (``drain()``), which only tests/waits requests and never starts one,
-so it is safe at any point of the program.
+so it is safe at any point of the program. ``MPI_Finalize`` drains too (through an attribute
+on ``COMM_SELF``), also when the program finalises MPI itself.
 """
 
 from __future__ import annotations
@@ -68,7 +69,18 @@ def drain() -> None:
         _IN_FLIGHT.discard(entry)
 
 
-atexit.register(drain)  # registered after mpi4py's finaliser, so it runs first
+def _before_finalize(comm: MPI.Comm, keyval: int, value: object) -> None:
+    """MPI_Finalize deletes ``COMM_SELF``'s attributes first, whoever calls it (mpi4py at exit,
+    or the program itself): stop the progress thread, then wait for what is in flight, while
+    MPI may still be called."""
+    from .progress import stop
+
+    stop()
+    drain()
+
+
+MPI.COMM_SELF.Set_attr(MPI.Comm.Create_keyval(delete_fn=_before_finalize), None)
+atexit.register(drain)  # also at exit when nothing finalises MPI (mpi4py.rc.finalize = False)
 
 _BEFORE_START: list[Callable[[], None]] = []
 
