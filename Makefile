@@ -159,6 +159,11 @@ bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_percall.py
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_ops.py
 	$(PY) scripts/bench_random.py
+	for n in 2 3 4; do $(MPIEXEC) -n $$n $(PY) scripts/bench_overlap.py || exit 1; done
+ifeq ($(PHDF5),1)
+	$(MAKE) $(PHDF5_STAMP)
+	$(PHDF5_MPIEXEC) -n 2 $(PHDF5_VENV)/bin/python scripts/bench_checkpoint.py
+endif
 
 clean:
 	rm -rf $(VENV) $(PHDF5_VENV) .mpi-logs build *.egg-info
