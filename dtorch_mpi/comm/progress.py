@@ -5,8 +5,8 @@ call; NumPy work between ``redistribute(async_op=True)`` and ``wait()`` makes no
 help a large transfer sits idle until the wait. While any library-started request is in
 flight, a daemon thread tests a receive of its own every ``DTORCH_PROGRESS_INTERVAL``
 microseconds (default 50; the interval doubles every 64 polls up to 1 ms, so a request left
-unwaited costs little CPU, and starts again at the base for each new request): a receive posted on a private duplicate of ``COMM_SELF`` that no
-message ever matches. Testing an incomplete request runs MPI's whole progress engine (MPICH,
+unwaited costs little CPU, and starts again at the base for each new request): a receive
+posted on a private duplicate of ``COMM_SELF`` that no message ever matches. Testing an incomplete request runs MPI's whole progress engine (MPICH,
 Open MPI), so the transfer advances beside the caller's work. (``MPI_Iprobe`` on a self
 communicator does not: MPICH answers it without progressing.) The thread never tests, waits on
 or starts a library request (completing one request from two threads is erroneous MPI, and
