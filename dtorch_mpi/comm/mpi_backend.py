@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -25,7 +25,7 @@ from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
 from .routes import Route, all_to_all_route, gather_route
-from .work import Work, progress_in_background, reap
+from .work import Work, progress_in_background, reap, waited
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -147,15 +147,17 @@ class MPIBackend:
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
     ) -> Work:
-        """Start the collective: nonblocking when asked, or when the deadline is on (the
-        prologue then waits, bounded by it); a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
+        """Start the collective: nonblocking when asked (a handle, progressed in the
+        background); with the deadline on, nonblocking and waited here at once, bounded by it;
+        a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
         reap()
         _sync_device(keep)
-        if async_op or collective_timeout() > 0:
+        if async_op:
             work = Work(nonblocking(), finish, keep, what)
-            if async_op:
-                progress_in_background()
+            progress_in_background()
             return work
+        if collective_timeout() > 0:
+            return waited(nonblocking(), finish, keep, what)
         blocking()
         return Work(None, finish)
 
@@ -171,12 +173,10 @@ class MPIBackend:
     ) -> Work:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
-        outer, length, inner = view3(out.shape, axis)
-        route = gather_route(comm_path(), sizes, outer, out.nbytes, UNEVEN_GATHER_W_FROM)
-        send = _contiguous(send)
         item = out.dtype.itemsize
+        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, tuple(sizes), item)
+        send = _contiguous(send)
         etype = element_type(item)
-        offs = offsets(sizes)
         comm = group.comm
         if route is Route.GATHER_EQUAL:
             count = sizes[0] * inner
@@ -290,63 +290,25 @@ class MPIBackend:
     ) -> Work:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
-        m, me = group.size, group.rank
-        route = all_to_all_route(comm_path(), send.shape, split_axis, split_sizes, concat_axis, concat_sizes,
-                                 out.dtype.itemsize, ALLTOALLV_FROM)
+        lay = _a2a_layout(comm_path(), send.shape, out.shape, split_axis, tuple(split_sizes), concat_axis,
+                          tuple(concat_sizes), out.dtype.itemsize, group.size, group.rank)
         send = _contiguous(send)
-        item = out.dtype.itemsize
-        etype = element_type(item)
-        s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
-        padded = route is Route.A2A_PADDED
+        etype = element_type(out.dtype.itemsize)
         comm = group.comm
-        send_blocks = [with_dim(send.shape, split_axis, n) for n in split_sizes]
-        recv_blocks = [with_dim(out.shape, concat_axis, n) for n in concat_sizes]
-        send_counts = [prod(b) for b in send_blocks]
-        recv_counts = [prod(b) for b in recv_blocks]
-        own_local = route is Route.A2A_V  # the own block: one NumPy copy, not pack + MPI + unpack
-        if own_local:
-            out[(slice(None),) * concat_axis + (slice(c_offs[me], c_offs[me] + concat_sizes[me]),)] = \
-                send[(slice(None),) * split_axis + (slice(s_offs[me], s_offs[me] + split_sizes[me]),)]
-        moved_send = [0 if own_local and j == me else n for j, n in enumerate(send_counts)]
-        moved_recv = [0 if own_local and j == me else n for j, n in enumerate(recv_counts)]
-        # a side whose blocks are already contiguous moves in place, with no copy; a packed
-        # side holds only the blocks MPI moves
-        pack_needed = padded or view3(send.shape, split_axis)[0] > 1
-        unpack_needed = padded or view3(out.shape, concat_axis)[0] > 1
-        if padded:
-            width = _global_block(send.shape, split_axis, split_sizes, concat_axis, concat_sizes)
-            send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
-        else:
-            send_at = offsets(moved_send if pack_needed else send_counts)
-            recv_at = offsets(moved_recv if unpack_needed else recv_counts)
-        pack = _empty(out, m * width if padded else sum(moved_send), out.dtype) if pack_needed else send.reshape(-1)
-        unpack = _empty(out, m * width if padded else sum(moved_recv), out.dtype) if unpack_needed else out.reshape(-1)
-        if pack_needed:
-            for j, (n, o) in enumerate(zip(split_sizes, s_offs)):
-                if own_local and j == me:
-                    continue
-                dst = pack[send_at[j] : send_at[j] + send_counts[j]].reshape(send_blocks[j])
-                dst[...] = send[(slice(None),) * split_axis + (slice(o, o + n),)]
+        if lay.own is not None:  # the own block: one NumPy copy, not pack + MPI + unpack
+            out[lay.own[1]] = send[lay.own[0]]
+        pack = _empty(out, lay.pack_len, out.dtype) if lay.pack_len is not None else send.reshape(-1)
+        unpack = _empty(out, lay.unpack_len, out.dtype) if lay.unpack_len is not None else out.reshape(-1)
+        for at, count, shape, where in lay.packs:
+            pack[at : at + count].reshape(shape)[...] = send[where]
 
         def finish() -> np.ndarray:
-            if unpack_needed:
-                for j, (n, o) in enumerate(zip(concat_sizes, c_offs)):
-                    if own_local and j == me:
-                        continue
-                    src = unpack[recv_at[j] : recv_at[j] + recv_counts[j]].reshape(recv_blocks[j])
-                    out[(slice(None),) * concat_axis + (slice(o, o + n),)] = src
+            for at, count, shape, where in lay.unpacks:
+                out[where] = unpack[at : at + count].reshape(shape)
             return out
 
-        if padded:
-            return self._run(
-                _what("all_to_all", group),
-                async_op,
-                lambda: comm.Alltoall([pack, width, etype], [unpack, width, etype]),
-                lambda: comm.Ialltoall([pack, width, etype], [unpack, width, etype]),
-                finish, (pack, unpack, send, out),
-            )
-        if route is Route.A2A_EQUAL:
-            n = send_counts[0]
+        if lay.route is Route.A2A_PADDED or lay.route is Route.A2A_EQUAL:
+            n = lay.width
             return self._run(
                 _what("all_to_all", group),
                 async_op,
@@ -354,8 +316,8 @@ class MPIBackend:
                 lambda: comm.Ialltoall([pack, n, etype], [unpack, n, etype]),
                 finish, (pack, unpack, send, out),
             )
-        sspec = [pack, (moved_send, send_at), etype]
-        rspec = [unpack, (moved_recv, recv_at), etype]
+        sspec = [pack, lay.send_spec, etype]
+        rspec = [unpack, lay.recv_spec, etype]
         return self._run(
             _what("all_to_all", group),
             async_op,
@@ -374,7 +336,7 @@ class MPIBackend:
         wide = WIDENED.get(out.dtype)
         src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
         dst = out if wide is None else _empty(out, out.shape, wide)
-        mtype, op = reduction_type(dst.dtype), nan_aware_op(dst.dtype, reduce_op, _xp(out) is np)
+        mtype, op = _reduction(dst.dtype, reduce_op, _xp(out) is np)
         comm = group.comm
 
         def finish() -> np.ndarray:
@@ -407,7 +369,7 @@ class MPIBackend:
         outer, length, inner = view3(send.shape, axis)
         wide = WIDENED.get(out.dtype)
         dtype = wide or out.dtype
-        mtype, op = reduction_type(dtype), nan_aware_op(dtype, reduce_op, _xp(out) is np)
+        mtype, op = _reduction(dtype, reduce_op, _xp(out) is np)
         padded = comm_path() == "padded" and len(set(sizes)) > 1
         width = max(sizes) if padded else None
         src3 = _contiguous(send).reshape(outer, length, inner)
@@ -518,6 +480,81 @@ def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dty
         pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]
         start += b
     return pack
+
+
+@lru_cache(maxsize=256)
+def _reduction(dtype: np.dtype, reduce_op: str, host: bool) -> tuple[MPI.Datatype, MPI.Op]:
+    """The MPI datatype and op reducing ``dtype`` by ``reduce_op`` (made once per triple)."""
+    return reduction_type(dtype), nan_aware_op(dtype, reduce_op, host)
+
+
+@lru_cache(maxsize=1024)
+def _gather_layout(path: str, out_shape: tuple[int, ...], axis: int, sizes: tuple[int, ...],
+                   itemsize: int) -> tuple[int, int, int, Route, list[int]]:
+    """An all-gather's ``(outer, length, inner)`` view, route and block offsets: a pure function
+    of its arguments, computed once instead of per call."""
+    outer, length, inner = view3(out_shape, axis)
+    route = gather_route(path, sizes, outer, prod(out_shape) * itemsize, UNEVEN_GATHER_W_FROM)
+    return outer, length, inner, route, offsets(sizes)
+
+
+class _A2ALayout(NamedTuple):
+    """An all-to-all's block arithmetic for one (path, shapes, axes, sizes, itemsize, group
+    rank): a pure function of them, computed once (``_a2a_layout``) instead of per call."""
+
+    route: Route
+    width: int  # elements per block of an equal-block Alltoall (padded: the largest block)
+    own: tuple[tuple[slice, ...], tuple[slice, ...]] | None  # (send index, out index) of the block kept here
+    pack_len: int | None  # elements of the pack buffer, None when ``send`` moves in place
+    unpack_len: int | None  # elements of the receive buffer, None when MPI writes into ``out``
+    packs: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, count, shape, send index)
+    unpacks: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, count, shape, out index)
+    send_spec: tuple[list[int], list[int]]  # Alltoallv (counts, displacements)
+    recv_spec: tuple[list[int], list[int]]
+
+
+@lru_cache(maxsize=1024)
+def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ...], split_axis: int,
+                split_sizes: tuple[int, ...], concat_axis: int, concat_sizes: tuple[int, ...], itemsize: int,
+                m: int, me: int) -> _A2ALayout:
+    route = all_to_all_route(path, send_shape, split_axis, split_sizes, concat_axis, concat_sizes, itemsize,
+                             ALLTOALLV_FROM)
+    s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
+    padded = route is Route.A2A_PADDED
+    send_blocks = [with_dim(send_shape, split_axis, n) for n in split_sizes]
+    recv_blocks = [with_dim(out_shape, concat_axis, n) for n in concat_sizes]
+    send_counts = [prod(b) for b in send_blocks]
+    recv_counts = [prod(b) for b in recv_blocks]
+    send_at_axis = [(slice(None),) * split_axis + (slice(o, o + n),) for n, o in zip(split_sizes, s_offs)]
+    out_at_axis = [(slice(None),) * concat_axis + (slice(o, o + n),) for n, o in zip(concat_sizes, c_offs)]
+    own_local = route is Route.A2A_V
+    moved_send = [0 if own_local and j == me else n for j, n in enumerate(send_counts)]
+    moved_recv = [0 if own_local and j == me else n for j, n in enumerate(recv_counts)]
+    # a side whose blocks are already contiguous moves in place, with no copy; a packed side
+    # holds only the blocks MPI moves
+    pack_needed = padded or view3(send_shape, split_axis)[0] > 1
+    unpack_needed = padded or view3(out_shape, concat_axis)[0] > 1
+    width = send_counts[0]
+    if padded:
+        width = _global_block(send_shape, split_axis, split_sizes, concat_axis, concat_sizes)
+        send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
+    else:
+        send_at = offsets(moved_send if pack_needed else send_counts)
+        recv_at = offsets(moved_recv if unpack_needed else recv_counts)
+    keep = [j for j in range(m) if not (own_local and j == me)]
+    return _A2ALayout(
+        route=route,
+        width=width,
+        own=(send_at_axis[me], out_at_axis[me]) if own_local else None,
+        pack_len=(m * width if padded else sum(moved_send)) if pack_needed else None,
+        unpack_len=(m * width if padded else sum(moved_recv)) if unpack_needed else None,
+        packs=tuple((send_at[j], send_counts[j], send_blocks[j], send_at_axis[j]) for j in keep) if pack_needed
+        else (),
+        unpacks=tuple((recv_at[j], recv_counts[j], recv_blocks[j], out_at_axis[j]) for j in keep)
+        if unpack_needed else (),
+        send_spec=(moved_send, send_at),
+        recv_spec=(moved_recv, recv_at),
+    )
 
 
 def _global_block(

@@ -41,6 +41,8 @@ def in_flight() -> int:
 
 def reap() -> None:
     """Release the buffers of every in-flight request that has completed (never blocks)."""
+    if not _IN_FLIGHT:
+        return
     for entry in [e for e in _IN_FLIGHT if e.request.Test()]:
         _IN_FLIGHT.discard(entry)
 
@@ -152,6 +154,20 @@ class Work:
                 raise
             self._complete()
         return self._result
+
+
+def waited(request: MPI.Request, finish: Callable[[], Any], keep: tuple[Any, ...], what: str) -> Work:
+    """A request started for a blocking call, waited here at once (bounded by the deadline).
+    Nothing else runs until it completes, so it skips the in-flight registry; if the wait
+    times out, its buffers are kept for good, as ``Work.wait`` keeps them."""
+    from .deadline import wait_request
+
+    try:
+        wait_request(request, what)
+    except Exception:
+        _ABANDONED.append(_InFlight(request, keep))
+        raise
+    return Work(None, finish)
 
 
 def completed(result: Any) -> Work:
