@@ -18,6 +18,9 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import progress
+from .deadline import wait_request
+
 
 class _InFlight:
     """A started request and the buffers/datatypes MPI may still touch."""
@@ -54,15 +57,11 @@ def _any_in_flight() -> bool:
 def progress_in_background() -> None:
     """The request just started is waited on later: keep MPI progressing it meanwhile
     (comm/progress.py)."""
-    from .progress import started
-
-    started(_any_in_flight)
+    progress.started(_any_in_flight)
 
 
 def drain() -> None:
     """Wait for every in-flight request (at exit, before MPI is finalised)."""
-    from .deadline import wait_request
-
     for entry in list(_IN_FLIGHT):
         try:
             wait_request(entry.request, "a dropped nonblocking collective (at exit)")
@@ -75,9 +74,7 @@ def _before_finalize(comm: MPI.Comm, keyval: int, value: object) -> None:
     """MPI_Finalize deletes ``COMM_SELF``'s attributes first, whoever calls it (mpi4py at exit,
     or the program itself): stop the progress thread, then wait for what is in flight, while
     MPI may still be called."""
-    from .progress import stop
-
-    stop()
+    progress.stop()
     drain()
 
 
@@ -142,8 +139,6 @@ class Work:
 
     def wait(self) -> Any:
         if not self._finished:
-            from .deadline import wait_request
-
             entry = self._entry
             assert entry is not None
             try:
@@ -160,8 +155,6 @@ def waited(request: MPI.Request, finish: Callable[[], Any], keep: tuple[Any, ...
     """A request started for a blocking call, waited here at once (bounded by the deadline).
     Nothing else runs until it completes, so it skips the in-flight registry; if the wait
     times out, its buffers are kept for good, as ``Work.wait`` keeps them."""
-    from .deadline import wait_request
-
     try:
         wait_request(request, what)
     except Exception:
