@@ -20,7 +20,7 @@ from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import array_namespace
-from .split import local_shape_and_offset
+from .split import local_shape_and_offset, split_sizes
 from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
 
 DEFAULT_DTYPE = np.dtype("float32")
@@ -332,8 +332,7 @@ def _send_pieces(array: Any, local: Any, mesh: DeviceMesh, plc: tuple[Placement,
         group, here, last = Group(mesh.get_group(k), k), coord[k] == top[k], k == len(plc) - 1
         before = local_shape_and_offset(shape, mesh.shape[:k], plc[:k], coord[:k])[0]
         if isinstance(p, Shard):
-            sizes = [local_shape_and_offset(shape, mesh.shape[: k + 1], plc[: k + 1], (*coord[:k], c))[0][p.dim]
-                     for c in range(mesh.shape[k])]
+            sizes = split_sizes(before[p.dim], mesh.shape[k])  # shards split one mesh dim after another
             out = local if last else xp.empty(with_dim(before, p.dim, sizes[coord[k]]), dtype=local.dtype)
             held = backend.scatter(group, held if here else None, out, p.dim, sizes, top[k]).wait()
         elif isinstance(p, Partial) and p.reduce_op != "avg":

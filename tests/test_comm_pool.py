@@ -41,7 +41,7 @@ def test_a_live_slice_keeps_its_buffer_out_of_reuse(small_pool: None) -> None:
     assert pool.held_bytes() == held
     assert not np.shares_memory(c, kept)
     del kept
-    d = pool.empty(np, 2048, np.float32)  # both owners are idle now; no new one is made
+    d = pool.empty(np, 2048, np.float32)  # b's owner is idle again (c holds the other): no new one
     assert pool.held_bytes() == held
     assert d.shape == (2048,) and d.dtype == np.float32
 
@@ -84,7 +84,8 @@ def test_mesh_free_empties_the_pool(small_pool: None) -> None:
     full = np.arange(40.0 * max(SIZE, 1)).reshape(-1, 4)
     with dt.init_device_mesh("cpu", (SIZE,)) as mesh:
         y = dt.distribute_tensor(full, mesh, [dt.Shard(0)]).redistribute(placements=[dt.Replicate()])
-        assert pool.held_bytes() > 0 or SIZE == 1
+        pool.empty(np, 64, np.float64)  # at least one owner (dropped at once), whatever the rank count
+        assert pool.held_bytes() > 0
         mesh.free()
         assert pool.held_bytes() == 0
     assert np.array_equal(y.to_local(), full)  # a result outlives the pool that made it

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from mpi4py import MPI
 from mpi_launch import child_env, mpiexec
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import Group, backend_named
+from dtorch_mpi.comm import Group, backend_named, progress
 from dtorch_mpi.comm.progress import progress_mode, set_progress_mode
 from dtorch_mpi.split import split_sizes
 
@@ -23,12 +22,16 @@ ROWS_PER_RANK = 1 << 17  # 1 MB of float64 per rank: far above the eager limit, 
 
 
 @pytest.fixture
-def thread_progress() -> Iterator[None]:
+def restore_progress_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever mode a test sets, the one before it comes back afterwards (also on failure)."""
+    monkeypatch.setattr(progress, "_mode", progress._mode)
+
+
+@pytest.fixture
+def thread_progress(restore_progress_mode: None) -> None:
     if MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         pytest.skip("MPI runs below MPI_THREAD_MULTIPLE here: no progress thread")
     set_progress_mode("thread")
-    yield
-    set_progress_mode(progress_mode())
 
 
 def test_an_async_gather_fills_its_output_while_the_caller_makes_no_mpi_call(
@@ -51,7 +54,8 @@ def test_an_async_gather_fills_its_output_while_the_caller_makes_no_mpi_call(
     assert arrived, "the transfer did not progress while the caller made no MPI call"
 
 
-def test_async_results_are_right_with_and_without_the_thread(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+def test_async_results_are_right_with_and_without_the_thread(mesh1d: dt.DeviceMesh, check: Checker,
+                                                            restore_progress_mode: None) -> None:
     full = np.random.default_rng(5).random((2 * mesh1d.size() + 1, 3))
     for mode in ("off", "thread"):
         set_progress_mode(mode)
@@ -60,11 +64,11 @@ def test_async_results_are_right_with_and_without_the_thread(mesh1d: dt.DeviceMe
         handle = x.to_torch_async()
         check.equal(y.to_torch(), full, f"async S0->S1 ({mode})")
         check.equal(handle.wait(), full, f"to_torch_async ({mode})")
-    set_progress_mode(progress_mode())
 
 
 @pytest.mark.parametrize("value", ["always", ""])
-def test_a_wrong_progress_setting_is_a_clear_error(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_wrong_progress_setting_is_a_clear_error(value: str, monkeypatch: pytest.MonkeyPatch,
+                                                   restore_progress_mode: None) -> None:
     monkeypatch.setenv("DTORCH_ASYNC_PROGRESS", value)
     with pytest.raises(ValueError, match=r"DTORCH_ASYNC_PROGRESS.*thread, off"):
         progress_mode()
@@ -79,8 +83,6 @@ def test_a_wrong_progress_interval_is_a_clear_error(value: str, monkeypatch: pyt
     monkeypatch.setenv("DTORCH_PROGRESS_INTERVAL", value)
     with pytest.raises(ValueError, match="DTORCH_PROGRESS_INTERVAL"):
         poll_interval()
-
-
 
 
 _FINALIZE_WITH_TRANSFERS_IN_FLIGHT = """

@@ -18,6 +18,7 @@ import pytest
 from conftest import RANK, SIZE, Checker, lengths_for, on_mesh
 
 import dtorch_mpi as dt
+from dtorch_mpi.comm.routes import Route
 from dtorch_mpi.split import split_sizes
 
 P1 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max")]
@@ -227,7 +228,7 @@ def test_large_uneven_gather_takes_alltoallw(mesh1d: dt.DeviceMesh, monkeypatch:
     the own block copied locally (every length, including empty pieces)."""
     from dtorch_mpi.comm import mpi_backend
 
-    monkeypatch.setattr(mpi_backend, "UNEVEN_GATHER_W_FROM", 64)
+    monkeypatch.setattr(mpi_backend, "UNEVEN_GATHER_W_FROM", 1)  # every non-empty gather is "large"
     for n in lengths_for(SIZE):
         full = integer_full((n, 5))
         x = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)])
@@ -236,6 +237,10 @@ def test_large_uneven_gather_takes_alltoallw(mesh1d: dt.DeviceMesh, monkeypatch:
         assert np.array_equal(y.to_torch(), full)
         if SIZE > 1 and n % SIZE and full.nbytes:
             assert c.records[0].padded == (dt.comm.comm_path() == "padded")
+            route = mpi_backend._gather_layout(dt.comm.comm_path(), full.shape, 0, split_sizes(n, SIZE),
+                                               full.itemsize, mpi_backend.UNEVEN_GATHER_W_FROM)[3]
+            assert route is {"auto": Route.GATHER_W, "variable": Route.GATHER_V,
+                             "padded": Route.GATHER_PADDED_COMPACT}[dt.comm.comm_path()], route
 
 
 def test_large_all_to_all_keeps_the_own_block_local(

@@ -22,7 +22,9 @@ the same run (and neither of those can be combined across partitions).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from math import prod
+from typing import Any
 
 import numpy as np
 
@@ -129,3 +131,11 @@ def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int
 def combine(terms: np.ndarray) -> int:
     """Sum of per-block terms mod 2**64 (order-free)."""
     return int(sum(int(t) for t in terms.ravel())) & MASK
+
+
+def gathered_sums(world: Any, terms: Sequence[int]) -> list[int]:
+    """Every rank's term of each dataset, gathered (one Allgather) and combined: the same list
+    of checksums on every rank."""
+    every = np.empty((world.Get_size(), len(terms)), dtype=np.uint64)
+    world.Allgather(np.array(terms, dtype=np.uint64), every)
+    return [combine(every[:, n]) for n in range(len(terms))]

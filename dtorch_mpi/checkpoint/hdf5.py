@@ -44,7 +44,7 @@ from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
 from ..spmd import agreed
 from . import pytypes, targets, tree, validate
-from .checksum import checksum, combine
+from .checksum import checksum, gathered_sums
 from .reader import STAGING, read_verified
 from .validate import FORMAT, VERSION
 
@@ -274,10 +274,8 @@ def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> d
 
 def _set_checksums(world: MPI.Intracomm, datasets: Mapping[str, Any], slabs: list[_Slab]) -> None:
     """Gather every rank's terms and store each dataset's checksum (the same value on every rank)."""
-    every = np.empty((world.Get_size(), len(slabs)), dtype=np.uint64)
-    world.Allgather(np.array([slab.term for slab in slabs], dtype=np.uint64), every)
-    for n, slab in enumerate(slabs):
-        datasets[slab.key].attrs["checksum"] = np.uint64(combine(every[:, n]))
+    for slab, total in zip(slabs, gathered_sums(world, [slab.term for slab in slabs])):
+        datasets[slab.key].attrs["checksum"] = np.uint64(total)
 
 
 def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab]) -> None:
@@ -320,13 +318,12 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
     with agreed(world):
         if error is not None:
             raise error
-    every = np.empty((world.Get_size(), len(slabs)), dtype=np.uint64)
-    world.Allgather(np.array([slab.term for slab in slabs], dtype=np.uint64), every)
+    totals = gathered_sums(world, [slab.term for slab in slabs])
     with agreed(world):
         if rank == 0:
             with h5py.File(tmp, "r+") as f:
-                for n, slab in enumerate(slabs):
-                    f[_group_path(slab.key)].attrs["checksum"] = np.uint64(combine(every[:, n]))
+                for slab, total in zip(slabs, totals):
+                    f[_group_path(slab.key)].attrs["checksum"] = np.uint64(total)
 
 
 def _fsync_file(path: str) -> None:

@@ -32,7 +32,7 @@ from ..errors import CheckpointError
 from ..placement import Partial, Replicate
 from ..redistribute import array_namespace
 from ..spmd import agreed
-from .checksum import MASK, checksum, combine
+from .checksum import MASK, checksum, gathered_sums
 from .validate import Entry
 
 STAGING = ("all", "chunks")
@@ -133,11 +133,8 @@ def _chunks(param: Any, ds: Any) -> Iterator[tuple[tuple[int, ...], np.ndarray]]
 def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, Any],
             entries: Mapping[str, Entry], path: str) -> None:
     """Gather every rank's terms; the same verdict (and error) on every rank."""
-    mine = np.array(terms, dtype=np.uint64)
-    every = np.empty((world.Get_size(), len(keys)), dtype=np.uint64)
-    world.Allgather(mine, every)
-    bad = [key for n, key in enumerate(keys)
-           if combine(every[:, n]) != entries[key].checksum * readers_per_element(params[key]) & MASK]
+    bad = [key for key, total in zip(keys, gathered_sums(world, terms))
+           if total != entries[key].checksum * readers_per_element(params[key]) & MASK]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in dataset{'s' if len(bad) > 1 else ''} "
                               f"{', '.join('/' + k.replace('.', '/') for k in bad)}: the data is damaged "

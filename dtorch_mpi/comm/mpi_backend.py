@@ -102,7 +102,8 @@ def _contiguous(a: Any) -> Any:
 
 
 def _gather_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
-    route = gather_route(path, facts["sizes"], view3(out.shape, facts["axis"])[0], out.nbytes, UNEVEN_GATHER_W_FROM)
+    route = _gather_layout(path, out.shape, facts["axis"], tuple(facts["sizes"]), out.dtype.itemsize,
+                           UNEVEN_GATHER_W_FROM)[3]
     return route.value, route.padded
 
 
@@ -174,7 +175,8 @@ class MPIBackend:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
         item = out.dtype.itemsize
-        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, tuple(sizes), item)
+        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, tuple(sizes), item,
+                                                           UNEVEN_GATHER_W_FROM)
         send = _contiguous(send)
         etype = element_type(item)
         comm = group.comm
@@ -291,7 +293,7 @@ class MPIBackend:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
         lay = _a2a_layout(comm_path(), send.shape, out.shape, split_axis, tuple(split_sizes), concat_axis,
-                          tuple(concat_sizes), out.dtype.itemsize, group.size, group.rank)
+                          tuple(concat_sizes), out.dtype.itemsize, ALLTOALLV_FROM, group.size, group.rank)
         send = _contiguous(send)
         etype = element_type(out.dtype.itemsize)
         comm = group.comm
@@ -490,11 +492,12 @@ def _reduction(dtype: np.dtype, reduce_op: str, host: bool) -> tuple[MPI.Datatyp
 
 @lru_cache(maxsize=1024)
 def _gather_layout(path: str, out_shape: tuple[int, ...], axis: int, sizes: tuple[int, ...],
-                   itemsize: int) -> tuple[int, int, int, Route, list[int]]:
+                   itemsize: int, w_from: int) -> tuple[int, int, int, Route, list[int]]:
     """An all-gather's ``(outer, length, inner)`` view, route and block offsets: a pure function
-    of its arguments, computed once instead of per call."""
+    of its arguments (the threshold too, so a changed one is never served from the cache),
+    computed once instead of per call."""
     outer, length, inner = view3(out_shape, axis)
-    route = gather_route(path, sizes, outer, prod(out_shape) * itemsize, UNEVEN_GATHER_W_FROM)
+    route = gather_route(path, sizes, outer, prod(out_shape) * itemsize, w_from)
     return outer, length, inner, route, offsets(sizes)
 
 
@@ -516,9 +519,9 @@ class _A2ALayout(NamedTuple):
 @lru_cache(maxsize=1024)
 def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ...], split_axis: int,
                 split_sizes: tuple[int, ...], concat_axis: int, concat_sizes: tuple[int, ...], itemsize: int,
-                m: int, me: int) -> _A2ALayout:
+                variable_from: int, m: int, me: int) -> _A2ALayout:
     route = all_to_all_route(path, send_shape, split_axis, split_sizes, concat_axis, concat_sizes, itemsize,
-                             ALLTOALLV_FROM)
+                             variable_from)
     s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
     padded = route is Route.A2A_PADDED
     send_blocks = [with_dim(send_shape, split_axis, n) for n in split_sizes]

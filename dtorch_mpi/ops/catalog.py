@@ -217,7 +217,7 @@ def astype(x: DTensor, dtype: Any) -> DTensor:
     return apply_elementwise(ASTYPE, (x,), {"dtype": dt})
 
 
-ASTYPE.bind("to", lambda x, dtype: astype(x, dtype))
+ASTYPE.bind("to", astype)
 ASTYPE.bind("double", lambda x: astype(x, np.float64))
 ASTYPE.bind("float", lambda x: astype(x, np.float32))  # a method: Python's float(x) is __float__
 CLONE.bind("copy", clone)
