@@ -11,7 +11,7 @@ from .config import comm_path, set_comm_path
 from .counter import CommCounter, CommRecord
 from .group import Group
 from .mpi_backend import MPIBackend
-from .work import Work, completed
+from .work import Work, completed, wait_all
 
 register_backend("mpi", MPIBackend, "cpu")
 register_backend("nccl", gpu.NCCLBackend, "cuda")
@@ -26,5 +26,5 @@ def backend_for(device_type: str) -> Backend:
 
 __all__ = [
     "Backend", "CommCounter", "CommRecord", "Group", "Handle", "MPIBackend", "Work", "backend_for",
-    "backend_named", "comm_path", "completed", "pool", "register_backend", "set_comm_path",
+    "backend_named", "comm_path", "completed", "pool", "register_backend", "set_comm_path", "wait_all",
 ]

@@ -5,9 +5,9 @@ holds the handle. So a started request and its buffers are owned by a module-lev
 of in-flight requests, not by the handle: dropping a handle (a ``redistribute(async_op=True)``
 result deleted before use, a ``to_torch_async()`` handle never waited) leaves the buffers alive
 until MPI is done. Completed requests are reaped at the start of every later collective
-(``reap()``) and at exit (``drain()``), which only tests/waits requests and never starts one,
-so it is safe at any point of the program. ``MPI_Finalize`` drains too (through an attribute
-on ``COMM_SELF``), also when the program finalises MPI itself.
+(``reap()``) and at exit (``wait_all()``), which only tests/waits requests and never starts
+one, so it is safe at any point of the program. A program that finalises MPI itself calls
+``dtorch_mpi.wait_all()`` first.
 """
 
 from __future__ import annotations
@@ -70,16 +70,26 @@ def drain() -> None:
         _IN_FLIGHT.discard(entry)
 
 
-def _before_finalize(comm: MPI.Comm, keyval: int, value: object) -> None:
-    """MPI_Finalize deletes ``COMM_SELF``'s attributes first, whoever calls it (mpi4py at exit,
-    or the program itself): stop the progress thread, then wait for what is in flight, while
-    MPI may still be called."""
+def wait_all() -> None:
+    """Wait for every nonblocking transfer the library started (also those whose handles were
+    dropped) and stop the progress thread (comm/progress.py; it starts again with the next
+    transfer). Runs at exit, before mpi4py finalises MPI. A program that calls
+    ``MPI.Finalize()`` itself calls this first: MPI forbids another thread's MPI calls while
+    ``MPI_Finalize`` runs (MPICH stops locking as it starts, so a poll caught there corrupts
+    its state)."""
     progress.stop()
     drain()
 
 
-MPI.COMM_SELF.Set_attr(MPI.Comm.Create_keyval(delete_fn=_before_finalize), None)
-atexit.register(drain)  # also at exit when nothing finalises MPI (mpi4py.rc.finalize = False)
+def _at_finalize(comm: MPI.Comm, keyval: int, value: object) -> None:
+    """MPI_Finalize deletes ``COMM_SELF``'s attributes first: the last chance to wait for what
+    is in flight while MPI may still be called (a safety net for a program that finalises MPI
+    without :func:`wait_all`; the progress thread may have polled as finalising began)."""
+    wait_all()
+
+
+MPI.COMM_SELF.Set_attr(MPI.Comm.Create_keyval(delete_fn=_at_finalize), None)
+atexit.register(wait_all)  # Python's atexit runs before mpi4py's exit hook calls MPI_Finalize
 
 _BEFORE_START: list[Callable[[], None]] = []
 
