@@ -69,8 +69,8 @@ $(STAMP): pyproject.toml Makefile
 	@echo "==> [$(VENV)] creating the venv with $(PYTHON)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(PIP_INSTALL) --upgrade pip
-	@echo "==> [$(VENV)] installing $(if $(MPI_WHEEL),the $(MPI_WHEEL) wheel and ,)numpy, h5py, pytest, hypothesis, ruff, mypy from PyPI (about 1 min)"
-	$(PIP) install $(PIP_INSTALL) $(MPI_WHEEL) numpy h5py pytest pytest-mpi pytest-timeout hypothesis ruff mypy
+	@echo "==> [$(VENV)] installing $(if $(MPI_WHEEL),the $(MPI_WHEEL) wheel and ,)numpy, h5py, xxhash, pytest, hypothesis, ruff, mypy from PyPI (about 1 min)"
+	$(PIP) install $(PIP_INSTALL) $(MPI_WHEEL) numpy h5py xxhash pytest pytest-mpi pytest-timeout hypothesis ruff mypy
 	@echo "==> [$(VENV)] installing mpi4py $(if $(MPI_WHEEL),(wheel, seconds),from source against $$(command -v $${MPICC:-mpicc}) (about 2 min))"
 	$(PIP) install $(PIP_INSTALL) $(MPI4PY_SOURCE) "mpi4py>=4"
 	$(PIP) install -q $(PIP_INSTALL) --no-deps -e .
@@ -115,7 +115,7 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 	fi
 	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(PHDF5_WHEELS) h5py
 	@echo "==> [$(PHDF5_VENV)] installing the test tools and the package (seconds)"
-	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) pytest pytest-mpi pytest-timeout hypothesis
+	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) xxhash pytest pytest-mpi pytest-timeout hypothesis
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --no-deps -e .
 	@echo "==> [$(PHDF5_VENV)] checking the MPI stack"
 	$(PHDF5_VENV)/bin/python scripts/check_mpi.py --mpiexec "$(PHDF5_MPIEXEC)" --h5py-mpi
