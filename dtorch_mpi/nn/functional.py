@@ -22,7 +22,7 @@ from ..ops.catalog import log_softmax, softmax
 from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute import array_namespace
 from ..spec import DTensorSpec
-from ..spmd import agreed
+from .indices import require_in_range
 from .losses import cross_entropy
 
 __all__ = ["cross_entropy", "dropout", "embedding", "gelu", "layer_norm", "linear", "log_softmax", "mse_loss", "relu",
@@ -137,9 +137,7 @@ def embedding(index: Any, weight: DTensor) -> DTensor:
     (rows, _), (row0, _) = weight.spec.local_shape_and_offset
     num = weight.shape[0]
     comm = mesh.get_comm() if any(p.is_shard() for p in index.placements) else None
-    with agreed(comm):  # a sharded index: ranks hold different indices, so agree on the check
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= num):
-            raise IndexError(f"embedding: index out of range [0, {num}) (got {int(idx.min())}..{int(idx.max())})")
+    require_in_range("embedding: index", idx, num, comm)  # a sharded index: ranks agree on the check
     xp = array_namespace(mesh.device_type)
     own = (idx >= row0) & (idx < row0 + rows)
     if rows == num:

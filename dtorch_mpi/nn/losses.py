@@ -32,7 +32,7 @@ from ..errors import PlacementError, ShapeMismatchError
 from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute import array_namespace
 from ..spec import DTensorSpec
-from ..spmd import agreed
+from .indices import require_in_range
 
 __all__ = ["cross_entropy"]
 
@@ -82,17 +82,11 @@ def _local_target(target: Any, logits: DTensor) -> Any:
         local = target.to_local()
         comm = logits.device_mesh.get_comm() if any(p.is_shard() for p in want) else None
     else:  # every rank holds the whole array: check all of it (the same verdict everywhere)
-        classes = logits.shape[-1]
-        if target.size and (int(target.min()) < 0 or int(target.max()) >= classes):
-            raise IndexError(f"cross_entropy: target out of range [0, {classes}) "
-                             f"(got {int(target.min())}..{int(target.max())})")
+        require_in_range("cross_entropy: target", target, logits.shape[-1], None)
         local_rows, offset = logits.spec.local_shape_and_offset
         return target[tuple(slice(o, o + n) for o, n in zip(offset, local_rows[:-1]))]
-    classes = logits.shape[-1]
-    with agreed(comm):  # ranks hold different rows of a sharded target: agree on the check
-        if local.size and (int(local.min()) < 0 or int(local.max()) >= classes):
-            raise IndexError(f"cross_entropy: target out of range [0, {classes}) "
-                             f"(got {int(local.min())}..{int(local.max())})")
+    # ranks hold different rows of a sharded target: they agree on the check
+    require_in_range("cross_entropy: target", local, logits.shape[-1], comm)
     return local
 
 
