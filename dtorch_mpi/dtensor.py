@@ -79,7 +79,15 @@ class DTensor:
 
     @property
     def size(self) -> int:
+        """The element count (NumPy's attribute); ``numel()`` is torch's name for it."""
         return prod(self._spec.shape)
+
+    def numel(self) -> int:
+        return prod(self._spec.shape)
+
+    def dim(self) -> int:
+        """torch's name for ``ndim``."""
+        return len(self._spec.shape)
 
     @property
     def device_mesh(self) -> DeviceMesh:

@@ -49,7 +49,7 @@ from .planners import (
     plan_reshape,
     plan_stack,
 )
-from .registry import METHODS, Op
+from .registry import Op
 from .signature import P, R, Rule, S, Signature
 from .tables import BINARY, OTHER, UNARY, WHERE
 
@@ -397,10 +397,6 @@ def stack(tensors: Sequence[DTensor], dim: int = 0) -> DTensor:
     """Stack along a new ``dim``; all inputs share placements and shape."""
     return apply_join(STACK, tensors, dim, True)
 
-
-# --- metadata methods (no operator: nothing is computed) -------------------------------------
-METHODS["numel"] = lambda x: math.prod(x.shape)  # torch's; NumPy's x.size is the same number
-METHODS["dim"] = lambda x: len(x.shape)  # torch's; NumPy's x.ndim
 
 __all__ = [  # every public operator name; tests/test_ops.py checks it against OPS
     "abs", "add", "all", "any", "arccos", "arcsin", "arcsinh", "arctan", "arctan2", "argmax", "argmin", "astype",

@@ -81,11 +81,6 @@ class Op:
 OPS: dict[str, Op] = {}
 """Every declared operator by name (filled by dtorch_mpi.ops.catalog)."""
 
-METHODS: dict[str, Callable[..., Any]] = {}
-"""DTensor methods that are no operator, only metadata (``numel``, ``dim``; filled by
-dtorch_mpi.ops.catalog), installed with the operators' methods."""
-
-
 def lookup(name: str) -> Op:
     """The operator a public name, method or operator (``"divide"``, ``"T"``, ``"__add__"``) reaches."""
     op = OPS.get(name)
@@ -114,10 +109,8 @@ def install_methods(cls: type) -> None:
     for op in OPS.values():
         for name, value in op.methods.items():
             setattr(cls, name, value)
-    for name, value in METHODS.items():
-        setattr(cls, name, value)
     cls.__pos__ = lambda self: self  # type: ignore[attr-defined,operator]
     cls.__hash__ = object.__hash__  # type: ignore[assignment]  # __eq__ is elementwise
 
 
-__all__ = ["METHODS", "OPS", "Op", "Planner", "exported", "install_methods", "lookup", "signature"]
+__all__ = ["OPS", "Op", "Planner", "exported", "install_methods", "lookup", "signature"]
