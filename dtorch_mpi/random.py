@@ -81,6 +81,39 @@ def _mix(x: Any, t: Any, xp: Any, src: Any = None) -> None:
     xp.bitwise_xor(x, t, out=x)
 
 
+_TERMS_KEPT, _TERMS_KEPT_LEN = 64, 1 << 14  # pieces whose index terms are kept, and their longest
+_terms: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # (shapes, offset, memory) -> (lead, tail)
+
+
+def _index_terms(global_shape: tuple[int, ...], local_shape: tuple[int, ...], offset: tuple[int, ...],
+                 xp: Any) -> tuple[Any, Any]:
+    """``golden * g`` split as ``lead[r] + tail[c]`` over a piece's rows and last-dim columns.
+    They do not depend on the call's key, so the latest small pieces' are kept: a training loop
+    draws the same shapes again and again, and making them is most of a small call's cost."""
+    where = (global_shape, local_shape, offset, _memory(xp))
+    terms = _terms.get(where)
+    if terms is not None:
+        return terms
+    strides = [1] * len(global_shape)
+    for d in range(len(global_shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * global_shape[d + 1]
+    lead = xp.zeros(1, dtype=xp.uint64)
+    for d in range(len(local_shape) - 1):
+        term = xp.arange(offset[d], offset[d] + local_shape[d], dtype=xp.uint64)
+        term *= xp.uint64((strides[d] * _GOLDEN) & _MASK)
+        lead = (lead[:, None] + term[None, :]).reshape(-1)
+    if local_shape:
+        tail = xp.arange(offset[-1], offset[-1] + local_shape[-1], dtype=xp.uint64)
+        tail *= _UGOLDEN
+    else:
+        tail = xp.zeros(1, dtype=xp.uint64)
+    if lead.size + tail.size <= _TERMS_KEPT_LEN:
+        if len(_terms) >= _TERMS_KEPT:
+            del _terms[next(iter(_terms))]  # the oldest
+        _terms[where] = lead, tail
+    return lead, tail
+
+
 class _Counters:
     """``key + (g + 1) * golden`` (mod 2**64) for the global indices ``g`` of a local piece,
     produced in row blocks that fit in cache (the piece is never materialised as indices).
@@ -94,21 +127,8 @@ class _Counters:
         self.size = prod(local_shape)
         self.width = local_shape[-1] if local_shape else 1
         self.rows = self.size // self.width if self.width else 0
-        strides = [1] * len(global_shape)
-        for d in range(len(global_shape) - 2, -1, -1):
-            strides[d] = strides[d + 1] * global_shape[d + 1]
-        lead = xp.full((1,), (key + _GOLDEN) & _MASK, dtype=xp.uint64)
-        for d in range(len(local_shape) - 1):
-            term = xp.arange(offset[d], offset[d] + local_shape[d], dtype=xp.uint64)
-            term *= xp.uint64((strides[d] * _GOLDEN) & _MASK)
-            lead = (lead[:, None] + term[None, :]).reshape(-1)
-        self.lead = lead
-        if local_shape:
-            tail = xp.arange(offset[-1], offset[-1] + local_shape[-1], dtype=xp.uint64)
-            tail *= _UGOLDEN
-        else:
-            tail = xp.zeros(1, dtype=xp.uint64)
-        self.tail = tail
+        lead, self.tail = _index_terms(global_shape, local_shape, offset, xp)
+        self.lead = lead + xp.uint64((key + _GOLDEN) & _MASK)  # wraps mod 2**64, as the mix wants
         self.add = xp.add
         self.rows_per_block = max(1, chunk // max(self.width, 1))
 
@@ -195,8 +215,7 @@ def _ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 _ZIG_K, _ZIG_W, _ZIG_F = _ziggurat_tables()
 _PURPOSE_DRAW, _PURPOSE_U1, _PURPOSE_U2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D
 _DRAW_BITS = np.uint64(0x1FF)  # a draw's low 9 bits: layer (bits 0-7) + 256 * negative (bit 8)
-_ATTEMPTS_PER_PASS = 2  # the slow path's attempts made together (3 in 1000 calls of 2 K need more)
-_MANY_REJECTED = 16  # below this many rejected draws a pass makes one attempt (a second is rare)
+_MANY_REJECTED = 40  # from this many rejected draws a slow pass makes two attempts, else one
 
 
 class _Tables(NamedTuple):
@@ -258,16 +277,17 @@ def _ziggurat_slow(counters: Any, xp: Any, t: _Tables) -> Any:
     every draw keyed on (element, attempt, purpose).
 
     The draws of an attempt do not depend on the outcome of the ones before, so a pass makes
-    ``A`` attempts' draws for all elements at once, evaluates every attempt from the state it
-    would start in, and takes each element's first accepted one: about 30 array operations a
-    pass (45 with a tail draw among them), where the scalar loop's order costs 60 an attempt."""
-    out = xp.empty(counters.size, dtype=xp.float64)
+    ``A`` (1 or 2) attempts' draws for all elements at once, evaluates every attempt from the
+    state it would start in, and takes each element's first accepted one: about 30 array
+    operations a pass (40 with a tail draw among them), where the scalar loop's order cost 60
+    an attempt. With two attempts a pass, 3 in 1000 calls of 2 K elements need a second pass."""
+    out: Any = None
     todo = None  # the unfinished elements' indices in ``out`` (None: all)
     state_tag = None  # the tag of each one's current draw (None: its first draw)
     first = 1
     while True:
         n = counters.size
-        A = _ATTEMPTS_PER_PASS if n >= _MANY_REJECTED else 1  # a few: a second pass is rare
+        A = 2 if n >= _MANY_REJECTED else 1  # a few: a second attempt is rare
         tags = _tags(first, A, xp)
         bits = counters ^ tags
         if state_tag is not None:
@@ -289,10 +309,8 @@ def _ziggurat_slow(counters: Any, xp: Any, t: _Tables) -> Any:
         if has_tail:  # once in the tail an element stays there: x = -ln(u1) / r, 2 * -ln(u2) > x^2
             logs = xp.log(u)
             xx = logs[:A] / -_ZIG_R
-            in_tail = tails if A == 1 else tails.cumsum(axis=0) > 0
-            tail_x = sx.copy()  # the tail's draw (its sign is the value's)
-            for i in range(1, A):
-                tail_x[i] = xp.where(in_tail[i - 1], tail_x[i - 1], sx[i])
+            in_tail = tails | tails[0]
+            tail_x = xp.where(tails[0], sx[0], sx)  # the tail's draw: its sign is the value's
             done = xp.where(in_tail, logs[A:] * -2.0 > xx * xx, done)
             value = xp.where(in_tail, xp.copysign(xx + _ZIG_R, tail_x), value)
         if A == 1:
@@ -300,10 +318,10 @@ def _ziggurat_slow(counters: Any, xp: Any, t: _Tables) -> Any:
         else:  # each element's first accepted attempt
             at, cols = done.argmax(axis=0), xp.arange(n)
             ok, value = done[at, cols], value[at, cols]
-        if todo is None and bool(ok.all()):
-            out[...] = value
-            return out
-        todo = xp.arange(n) if todo is None else todo
+        if todo is None:
+            if bool(ok.all()):
+                return value
+            out, todo = xp.empty(n, dtype=xp.float64), xp.arange(n)
         out[todo[ok]] = value[ok]
         # the rest start the next pass from their last fresh draw, or from their tail draw
         keep = ~ok
@@ -335,7 +353,7 @@ def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...]
         xp.multiply(b, t.w[idx], out=out[start:stop], casting="unsafe")
         slow = xp.nonzero(b >= t.k[idx])[0]
         if slow.size:
-            slow_at.append(slow + start)
+            slow_at.append(slow + start if start else slow)
             slow_ctr.append(c[slow])
     if slow_at:
         if len(slow_at) > 1:
