@@ -28,9 +28,7 @@ _UNIFORM_CHUNK = 32768  # elements per block: uniform's passes work in place in 
 _NORMAL_CHUNK = 8192  # the Ziggurat's per-block temporaries (64 KB) stay below malloc's mmap
 # threshold, so they reuse heap memory instead of faulting in fresh pages on every block
 
-# the mixing constants as uint64 scalars, made once (CuPy's uint64 is NumPy's)
-_S11, _S12, _S27, _S30, _S31 = (np.uint64(n) for n in (11, 12, 27, 30, 31))
-_UM1, _UM2, _UGOLDEN = np.uint64(_M1), np.uint64(_M2), np.uint64(_GOLDEN)
+_UGOLDEN = np.uint64(_GOLDEN)
 
 _seed: int | None = None  # read from DTORCH_SEED at the first random call, not at import
 _calls = 0
@@ -67,17 +65,17 @@ def _mix_int(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _mix(x: Any, t: Any, xp: Any, src: Any = None) -> None:
+def _mix(x: Any, t: Any, xp: Any, kit: _Kit, src: Any = None) -> None:
     """SplitMix64 finaliser on a uint64 array, in place or of ``src`` into ``x`` (``t`` is
     scratch of the same size)."""
     src = x if src is None else src
-    xp.right_shift(src, _S30, out=t)
+    xp.right_shift(src, kit.s30, out=t)
     xp.bitwise_xor(src, t, out=x)
-    xp.multiply(x, _UM1, out=x)
-    xp.right_shift(x, _S27, out=t)
+    xp.multiply(x, kit.m1, out=x)
+    xp.right_shift(x, kit.s27, out=t)
     xp.bitwise_xor(x, t, out=x)
-    xp.multiply(x, _UM2, out=x)
-    xp.right_shift(x, _S31, out=t)
+    xp.multiply(x, kit.m2, out=x)
+    xp.right_shift(x, kit.s31, out=t)
     xp.bitwise_xor(x, t, out=x)
 
 
@@ -141,13 +139,6 @@ class _Counters:
             yield r0 * self.width, r1 * self.width
 
 
-def _uniform_bits_to_float(bits: Any, out: Any, xp: Any) -> None:
-    dtype = out.dtype
-    mant = {np.dtype("float64"): 53, np.dtype("float32"): 24, np.dtype("float16"): 11}[dtype]
-    xp.right_shift(bits, xp.uint64(64 - mant), out=bits)
-    xp.multiply(bits, dtype.type(2.0**-mant), out=out, casting="unsafe")
-
-
 _SCRATCH_KEPT = 1 << 18  # elements (2 MiB per buffer): longer blocks (rows wider than this) get fresh buffers
 _scratch = threading.local()  # this thread's kept host work buffers
 
@@ -174,13 +165,16 @@ def _work_buffers(xp: Any, n: int) -> tuple[Any, Any, Any]:
 def uniform(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...],
             offset: tuple[int, ...], dtype: np.dtype, xp: Any) -> Any:
     """Uniform [0, 1) values of the local piece."""
+    kit = _kit(xp)
+    shift, scale = kit.unit[dtype]  # the dtype's mantissa bits of the mixed value, scaled to [0, 1)
     ctr = _Counters(key, global_shape, local_shape, offset, xp, _UNIFORM_CHUNK)
     out = xp.empty(ctr.size, dtype=dtype)
     block, scratch, _ = _work_buffers(xp, ctr.rows_per_block * max(ctr.width, 1))
     for start, stop in ctr.blocks(block):
         x = block[: stop - start]
-        _mix(x, scratch[: x.size], xp)
-        _uniform_bits_to_float(x, out[start:stop], xp)
+        _mix(x, scratch[: x.size], xp, kit)
+        xp.right_shift(x, shift, out=x)
+        xp.multiply(x, scale, out=out[start:stop], casting="unsafe")
     return out.reshape(local_shape)
 
 
@@ -214,39 +208,66 @@ def _ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 _ZIG_K, _ZIG_W, _ZIG_F = _ziggurat_tables()
 _PURPOSE_DRAW, _PURPOSE_U1, _PURPOSE_U2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D
-_DRAW_BITS = np.uint64(0x1FF)  # a draw's low 9 bits: layer (bits 0-7) + 256 * negative (bit 8)
 _MANY_REJECTED = 40  # from this many rejected draws a slow pass makes two attempts, else one
 
 
-class _Tables(NamedTuple):
-    """The layer tables indexed by a draw's low 9 bits (``layer + 256 * negative``), so one
-    gather gives what an if-chain on layer and sign would: exact products, since ``r * -w``
-    is ``-(r * w)`` bit for bit."""
+class _Kit(NamedTuple):
+    """What a call needs, in one array module's memory, made once per memory: the constants
+    as 0-d arrays (a ufunc converts a NumPy scalar operand on every call, which costs more
+    than the operation on a small block) and the Ziggurat's tables, indexed by a draw's low
+    9 bits (``layer + 256 * negative``): one gather gives what an if-chain on layer and sign
+    would, and the products are exact, since ``r * -w`` is ``-(r * w)`` bit for bit."""
 
+    s11: Any
+    s12: Any
+    s27: Any
+    s30: Any
+    s31: Any
+    m1: Any
+    m2: Any
+    draw_bits: Any  # a draw's low 9 bits: layer (bits 0-7) + 256 * negative (bit 8)
+    half: Any
+    ulp53: Any
+    neg_half: Any
+    r: Any  # where the tail starts
+    neg_r: Any
+    neg_two: Any
     k: Any  # fast-test thresholds (52-bit ints)
     w: Any  # signed layer widths: x = (bits >> 12) * w
     f: Any  # the layer's density
     df: Any  # the next layer's density minus this one's: the wedge's height
     tail: Any  # the base layer, whose rejected draws go to the tail
+    unit: dict[np.dtype, tuple[Any, Any]]  # float dtype -> (shift, scale) of uniform [0, 1)
 
 
-def _signed(t: np.ndarray) -> np.ndarray:
-    return np.concatenate([t, t])
+def _host_kit() -> _Kit:
+    def u64(n: int) -> np.ndarray:
+        return np.array(n, dtype=np.uint64)
+
+    def signed(t: np.ndarray) -> np.ndarray:
+        return np.concatenate([t, t])
+
+    mantissa: dict[np.dtype, int] = {np.dtype(np.float64): 53, np.dtype(np.float32): 24, np.dtype(np.float16): 11}
+    return _Kit(s11=u64(11), s12=u64(12), s27=u64(27), s30=u64(30), s31=u64(31), m1=u64(_M1), m2=u64(_M2),
+                draw_bits=u64(0x1FF), half=np.array(0.5), ulp53=np.array(2.0**-53), neg_half=np.array(-0.5),
+                r=np.array(_ZIG_R), neg_r=np.array(-_ZIG_R), neg_two=np.array(-2.0),
+                k=signed(_ZIG_K), w=np.concatenate([_ZIG_W, -_ZIG_W]), f=signed(_ZIG_F),
+                df=signed(_ZIG_F[np.maximum(np.arange(256) - 1, 0)] - _ZIG_F), tail=signed(np.arange(256) == 0),
+                unit={dt: (u64(64 - m), np.array(2.0**-m, dtype=dt)) for dt, m in mantissa.items()})
 
 
-_HOST_TABLES = _Tables(_signed(_ZIG_K), np.concatenate([_ZIG_W, -_ZIG_W]), _signed(_ZIG_F),
-                       _signed(_ZIG_F[np.maximum(np.arange(256) - 1, 0)] - _ZIG_F),
-                       _signed(np.arange(256) == 0))
-_DEVICE_TABLES: dict[Any, _Tables] = {None: _HOST_TABLES}
+_KITS: dict[Any, _Kit] = {None: _host_kit()}
 
 
-def _tables(xp: Any) -> _Tables:
-    """The layer tables in ``xp``'s memory (copied to each GPU once)."""
+def _kit(xp: Any) -> _Kit:
+    """The constants and tables in ``xp``'s memory (copied to each GPU once)."""
     where = _memory(xp)
-    tables = _DEVICE_TABLES.get(where)
-    if tables is None:
-        tables = _DEVICE_TABLES[where] = _Tables(*(xp.asarray(t) for t in _HOST_TABLES))
-    return tables
+    kit = _KITS.get(where)
+    if kit is None:
+        host = _KITS[None]
+        unit = {dt: (xp.asarray(s), xp.asarray(v)) for dt, (s, v) in host.unit.items()}
+        kit = _KITS[where] = _Kit._make([xp.asarray(a) for a in host[:-1]] + [unit])
+    return kit
 
 
 def _tag(attempt: int, purpose: int) -> int:
@@ -270,7 +291,7 @@ def _tags(first: int, attempts: int, xp: Any) -> Any:
     return tags
 
 
-def _ziggurat_slow(counters: Any, xp: Any, t: _Tables) -> Any:
+def _ziggurat_slow(counters: Any, xp: Any, t: _Kit) -> Any:
     """Finish the elements the fast test rejected, exactly as the scalar algorithm would:
     at each attempt the wedge test (else a fresh draw, taken if it passes the fast test), or
     in the tail (x = -ln(u1)/r, y = -ln(u2), accept when 2y > x^2) its own rejection loop;
@@ -292,27 +313,27 @@ def _ziggurat_slow(counters: Any, xp: Any, t: _Tables) -> Any:
         bits = counters ^ tags
         if state_tag is not None:
             xp.bitwise_xor(counters, state_tag, out=bits[2 * A])
-        _mix(bits, xp.empty_like(bits), xp)
+        _mix(bits, xp.empty_like(bits), xp, t)
         # the draws: row 0 the state the pass starts from, row i the fresh draw of its attempt i
         drawn = bits[2 * A:]
-        idx = xp.bitwise_and(drawn, _DRAW_BITS).view(xp.int64)
-        rabs = xp.right_shift(drawn, _S12)
+        idx = xp.bitwise_and(drawn, t.draw_bits).view(xp.int64)
+        rabs = xp.right_shift(drawn, t.s12)
         x = rabs * t.w[idx]
         sidx, sx = idx[:A], x[:A]  # attempt i starts from draw i-1 (unless in the tail)
         tails = t.tail[sidx]
         has_tail = bool(tails.any())
-        u = xp.add(xp.right_shift(bits[: 2 * A if has_tail else A], _S11), 0.5)  # (m + 0.5) / 2**53
-        u *= 2.0**-53
-        wedge_ok = t.df[sidx] * u[:A] + t.f[sidx] < xp.exp(-0.5 * sx * sx)
+        u = xp.add(xp.right_shift(bits[: 2 * A if has_tail else A], t.s11), t.half)  # (m + 0.5) / 2**53
+        u *= t.ulp53
+        wedge_ok = t.df[sidx] * u[:A] + t.f[sidx] < xp.exp(t.neg_half * sx * sx)
         done = wedge_ok | (rabs[1:] < t.k[idx[1:]])
         value = xp.where(wedge_ok, sx, x[1:])
         if has_tail:  # once in the tail an element stays there: x = -ln(u1) / r, 2 * -ln(u2) > x^2
             logs = xp.log(u)
-            xx = logs[:A] / -_ZIG_R
+            xx = logs[:A] / t.neg_r
             in_tail = tails | tails[0]
             tail_x = xp.where(tails[0], sx[0], sx)  # the tail's draw: its sign is the value's
-            done = xp.where(in_tail, logs[A:] * -2.0 > xx * xx, done)
-            value = xp.where(in_tail, xp.copysign(xx + _ZIG_R, tail_x), value)
+            done = xp.where(in_tail, logs[A:] * t.neg_two > xx * xx, done)
+            value = xp.where(in_tail, xp.copysign(xx + t.r, tail_x), value)
         if A == 1:
             ok, value = done[0], value[0]
         else:  # each element's first accepted attempt
@@ -339,7 +360,7 @@ def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...]
            offset: tuple[int, ...], dtype: np.dtype, xp: Any) -> Any:
     """Standard normal values of the local piece: the fast test here, its ~1.5% rejected
     draws finished together by ``_ziggurat_slow`` (its fixed cost paid once per call)."""
-    t = _tables(xp)
+    t = _kit(xp)
     ctr = _Counters(key, global_shape, local_shape, offset, xp, _NORMAL_CHUNK)
     out = xp.empty(ctr.size, dtype=dtype)
     block, bits, scratch = _work_buffers(xp, ctr.rows_per_block * max(ctr.width, 1))
@@ -347,9 +368,9 @@ def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...]
     for start, stop in ctr.blocks(block):
         c = block[: stop - start]
         b = bits[: c.size]
-        _mix(b, scratch[: c.size], xp, src=c)
-        idx = xp.bitwise_and(b, _DRAW_BITS, out=scratch[: c.size]).view(xp.int64)
-        xp.right_shift(b, _S12, out=b)
+        _mix(b, scratch[: c.size], xp, t, src=c)
+        idx = xp.bitwise_and(b, t.draw_bits, out=scratch[: c.size]).view(xp.int64)
+        xp.right_shift(b, t.s12, out=b)
         xp.multiply(b, t.w[idx], out=out[start:stop], casting="unsafe")
         slow = xp.nonzero(b >= t.k[idx])[0]
         if slow.size:
