@@ -208,7 +208,7 @@ def _ziggurat_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 _ZIG_K, _ZIG_W, _ZIG_F = _ziggurat_tables()
 _PURPOSE_DRAW, _PURPOSE_U1, _PURPOSE_U2 = 0x5851F42D4C957F2D, 0x14057B7EF767814F, 0x2545F4914F6CDD1D
-_MANY_REJECTED = 40  # from this many rejected draws a slow pass makes two attempts, else one
+_MANY_REJECTED = 16  # from this many rejected draws a slow pass makes two attempts, else one
 
 
 class _Kit(NamedTuple):
@@ -337,8 +337,7 @@ def _ziggurat_slow(counters: Any, xp: Any, t: _Kit) -> Any:
         if A == 1:
             ok, value = done[0], value[0]
         else:  # each element's first accepted attempt
-            at, cols = done.argmax(axis=0), xp.arange(n)
-            ok, value = done[at, cols], value[at, cols]
+            ok, value = done[0] | done[1], xp.where(done[0], value[0], value[1])
         if todo is None:
             if bool(ok.all()):
                 return value
@@ -372,7 +371,7 @@ def normal(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...]
         idx = xp.bitwise_and(b, t.draw_bits, out=scratch[: c.size]).view(xp.int64)
         xp.right_shift(b, t.s12, out=b)
         xp.multiply(b, t.w[idx], out=out[start:stop], casting="unsafe")
-        slow = xp.nonzero(b >= t.k[idx])[0]
+        slow = (b >= t.k[idx]).nonzero()[0]
         if slow.size:
             slow_at.append(slow + start if start else slow)
             slow_ctr.append(c[slow])
