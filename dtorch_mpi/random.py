@@ -166,9 +166,9 @@ def uniform(key: int, global_shape: tuple[int, ...], local_shape: tuple[int, ...
             offset: tuple[int, ...], dtype: np.dtype, xp: Any) -> Any:
     """Uniform [0, 1) values of the local piece."""
     kit = _kit(xp)
-    shift, scale = kit.unit[dtype]  # the dtype's mantissa bits of the mixed value, scaled to [0, 1)
     ctr = _Counters(key, global_shape, local_shape, offset, xp, _UNIFORM_CHUNK)
     out = xp.empty(ctr.size, dtype=dtype)
+    shift, scale = kit.unit[out.dtype]  # the dtype's mantissa bits of the mixed value, to [0, 1)
     block, scratch, _ = _work_buffers(xp, ctr.rows_per_block * max(ctr.width, 1))
     for start, stop in ctr.blocks(block):
         x = block[: stop - start]

@@ -155,3 +155,23 @@ def test_pinned_values_do_not_change(dtype: type, mesh1d: dt.DeviceMesh, mesh2d:
             check.equal(z.ravel()[list(PINNED_RANDN)], want(PINNED_RANDN), f"randn {mesh.shape} {placements}")
             check.equal(u.ravel()[list(rand_pins)], want(rand_pins), f"rand {mesh.shape} {placements}")
     check.done()
+
+
+# more of the same stream, where a 1-D tensor of 2**21 elements reaches: 255932 and 1610855 are
+# tail values reached by a fresh draw (accepted at the second attempt), 794541 a tail value and
+# 1240671 a wedge value accepted at the third attempt
+PINNED_RANDN_1D = {**PINNED_RANDN, 255932: "0x1.dbc0494d21acdp+1", 1610855: "-0x1.eb7b074d18c60p+1",
+                   794541: "-0x1.da23c31e9e434p+1", 1240671: "0x1.7a3dea5bdfb1bp-6"}
+
+
+@pytest.mark.parametrize("piece", [1, 40])
+def test_pinned_values_from_small_pieces(piece: int, check: Checker) -> None:
+    """Each pinned element made in a piece of its own (1 element: a slow pass of one attempt,
+    so the later attempts take later passes) or of 40 (two attempts a pass)."""
+    n = 1 << 21
+    for g, v in PINNED_RANDN_1D.items():
+        rnd.manual_seed(1234)
+        start = min(g, n - piece)
+        got = rnd.normal(rnd.next_key(), (n,), (piece,), (start,), np.dtype(np.float64), np)[g - start]
+        check.true(float(got).hex() == v, f"element {g} from a piece of {piece}: {float(got).hex()} != {v}")
+    check.done()
