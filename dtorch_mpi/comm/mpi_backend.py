@@ -25,7 +25,7 @@ from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
 from .routes import Route, all_to_all_route, gather_route
-from .work import Work, progress_in_background, reap, waited
+from .work import Done, Work, progress_in_background, reap, waited
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
@@ -147,7 +147,7 @@ class MPIBackend:
         nonblocking: Callable[[], MPI.Request],
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
-    ) -> Work:
+    ) -> Work | Done:
         """Start the collective: nonblocking when asked (a handle, progressed in the
         background); with the deadline on, nonblocking and waited here at once, bounded by it;
         a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
@@ -160,7 +160,7 @@ class MPIBackend:
         if collective_timeout() > 0:
             return waited(nonblocking(), finish, keep, what)
         blocking()
-        return Work(None, finish)
+        return Done(finish())
 
     # -- all-gather ----------------------------------------------------------------------
     def all_gather(
@@ -171,7 +171,7 @@ class MPIBackend:
         axis: int,
         sizes: Sequence[int],
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
         item = out.dtype.itemsize
@@ -248,7 +248,7 @@ class MPIBackend:
     def _gather_padded_in_place(
         self, group: Group, send: np.ndarray, out: np.ndarray, sizes: Sequence[int], inner: int,
         async_op: bool,
-    ) -> Work:
+    ) -> Work | Done:
         """Uneven contiguous gather on the equal-size ``Allgather`` (the padded path): gather
         padded blocks into a buffer ``m * max`` long, then slide the short blocks down in place
         (faster than gathering into a temporary and copying out). The result is a view of that buffer (at most ``m`` rows
@@ -289,7 +289,7 @@ class MPIBackend:
         concat_axis: int,
         concat_sizes: Sequence[int],
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
         lay = _a2a_layout(comm_path(), send.shape, out.shape, split_axis, tuple(split_sizes), concat_axis,
@@ -332,7 +332,7 @@ class MPIBackend:
     def all_reduce(
         self, group: Group, send: np.ndarray, out: np.ndarray, reduce_op: str,
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
         m = group.size
         wide = WIDENED.get(out.dtype)
@@ -365,7 +365,7 @@ class MPIBackend:
         sizes: Sequence[int],
         reduce_op: str,
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Reduce every rank's ``send``; rank ``i`` keeps block ``i`` along ``axis`` in ``out``."""
         m, me = group.size, group.rank
         outer, length, inner = view3(send.shape, axis)
@@ -402,7 +402,7 @@ class MPIBackend:
         return self._run(_what("reduce_scatter", group), async_op, blocking, nonblocking, finish, (pack, dst, out))
 
     # -- one-to-all ----------------------------------------------------------------------
-    def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
+    def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work | Done:
         """Copy ``buf`` from group rank ``root`` to every rank, in place."""
         etype = element_type(buf.dtype.itemsize)
         comm = group.comm
@@ -423,7 +423,7 @@ class MPIBackend:
         sizes: Sequence[int],
         root: int,
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Rank ``i`` receives block ``i`` along ``axis`` of the root's ``send``."""
         me = group.rank
         item = out.dtype.itemsize

@@ -15,7 +15,7 @@ from math import prod
 
 
 class Route(Enum):
-    """A collective's MPI-level realisation; ``call`` is the mpi4py method it makes."""
+    """A collective's MPI-level realisation; the value starts with the mpi4py method it makes."""
 
     NOTHING = "nothing moves"
     GATHER_EQUAL = "Allgather"
@@ -26,10 +26,6 @@ class Route(Enum):
     A2A_EQUAL = "Alltoall"
     A2A_PADDED = "Alltoall padded"
     A2A_V = "Alltoallv"
-
-    @property
-    def call(self) -> str | None:
-        return None if self is Route.NOTHING else self.value.split()[0]
 
     @property
     def padded(self) -> bool:
