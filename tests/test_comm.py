@@ -110,3 +110,22 @@ def test_one_registry_selects_the_backends() -> None:
         dt.comm.backend_named("ucc")
     with pytest.raises(ValueError, match="DTORCH_GPU_BACKEND='ucc' is not one of auto, nccl"):
         gpu.choose_backend("ucc", True, 1, 1, False)
+
+
+def test_freeing_a_mesh_frees_the_cached_datatypes(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """Strided all-to-all blocks move through cached committed datatypes; DeviceMesh.free()
+    frees them, and a live mesh's next call makes them again."""
+    from dtorch_mpi.comm import mpi_backend
+
+    full = np.arange(4.0 * SIZE * SIZE).reshape(2 * SIZE, 2 * SIZE)
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    x = dt.distribute_tensor(full, mesh, [dt.Shard(0)], src_data_rank=None)
+    check.equal(x.redistribute(placements=[dt.Shard(1)]).to_torch(), full, "S(0) -> S(1)")
+    typed = SIZE > 1 and dt.comm.comm_path() != "padded"
+    check.true(not typed or bool(mpi_backend._TYPE_CACHE), "no cached datatype")
+    mesh.free()
+    check.true(not mpi_backend._TYPE_CACHE, f"left after free: {list(mpi_backend._TYPE_CACHE)}")
+    y = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=None)
+    check.equal(y.redistribute(placements=[dt.Shard(1)]).to_torch(), full, "S(0) -> S(1) on a live mesh")
+    check.true(not typed or bool(mpi_backend._TYPE_CACHE), "not made again")
+    check.done()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..comm import Backend, Group, Handle, backend_for, completed, pool
+from ..comm.mpi_backend import free_cached_types
 from ..comm.work import before_collective
 from ..mesh import cached_per_mesh, release_on_free
 from ..placement import Placement
@@ -148,6 +149,7 @@ def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compile
 
 
 release_on_free(pool.clear)  # pooled buffers may hold a freed mesh's pieces' memory
+release_on_free(free_cached_types)  # and the datatypes cached for its layouts go with them
 
 
 def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
