@@ -194,6 +194,7 @@ class CudaAwareMPIBackend(MPIBackend):
     """CuPy buffers straight to a CUDA-aware MPI (after a stream synchronize)."""
 
     name = "cuda-aware-mpi"
+    device_buffers = True
 
 
 # --- NCCL ----------------------------------------------------------------------------------

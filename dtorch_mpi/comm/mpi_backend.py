@@ -64,6 +64,12 @@ def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> M
     return _cached_type(("vec", itemsize, outer, block, stride), make)
 
 
+# the routes the backend compares per call, as module globals: reading ``Route.X`` costs
+# ~0.15 us on Python 3.11 (an enum member is a descriptor on its class)
+_GATHER_EQUAL, _GATHER_PADDED_COMPACT, _GATHER_PADDED_STRIDED, _GATHER_V = (
+    Route.GATHER_EQUAL, Route.GATHER_PADDED_COMPACT, Route.GATHER_PADDED_STRIDED, Route.GATHER_V)
+_A2A_EQUAL, _A2A_PADDED = Route.A2A_EQUAL, Route.A2A_PADDED
+
 ALLTOALLV_FROM = 1 << 20
 """From this tensor size on (bytes, all ranks' pieces together) an all-to-all uses ``Alltoallv``
 with the own block copied by NumPy, not packed, sent to itself and unpacked: 0.6-1.6x a raw
@@ -147,33 +153,39 @@ class MPIBackend:
     prologue (comm/prologue.py): groups of two or more ranks with something to move."""
 
     name = "mpi"
+    device_buffers = False  # whether MPI is handed GPU memory (CudaAwareMPIBackend)
 
     def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
         """The MPI call (route) made for a collective and whether it pads (comm/routes.py)."""
         return _CALLS[kind](send, out, facts, comm_path())
 
     # -- helpers -------------------------------------------------------------------------
-    @staticmethod
     def _run(
+        self,
         what: str,
         async_op: bool,
-        blocking: Callable[[], None],
-        nonblocking: Callable[[], MPI.Request],
+        blocking: Callable[..., None],
+        nonblocking: Callable[..., MPI.Request],
+        args: tuple[Any, ...],
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
+        **kwargs: Any,
     ) -> Work | Done:
-        """Start the collective: nonblocking when asked (a handle, progressed in the
-        background); with the deadline on, nonblocking and waited here at once, bounded by it;
-        a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
+        """Start the collective ``blocking(*args, **kwargs)`` (an mpi4py method; ``nonblocking``
+        its ``I`` form): nonblocking when asked (a handle, progressed in the background); with
+        the deadline on, nonblocking and waited here at once, bounded by it; a plain blocking
+        call when DTORCH_COLLECTIVE_TIMEOUT=0. (Methods and arguments, not closures: made on
+        every call.)"""
         reap()
-        _sync_device(keep)
+        if self.device_buffers:
+            _sync_device(keep)
         if async_op:
-            work = Work(nonblocking(), finish, keep, what)
+            work = Work(nonblocking(*args, **kwargs), finish, keep, what)
             progress_in_background()
             return work
         if collective_timeout() > 0:
-            return waited(nonblocking(), finish, keep, what)
-        blocking()
+            return waited(nonblocking(*args, **kwargs), finish, keep, what)
+        blocking(*args, **kwargs)
         return Done(finish())
 
     # -- all-gather ----------------------------------------------------------------------
@@ -194,18 +206,17 @@ class MPIBackend:
         send = _contiguous(send)
         etype = element_type(item)
         comm = group.comm
-        if route is Route.GATHER_EQUAL:
+        if route is _GATHER_EQUAL:
             count = sizes[0] * inner
             return self._run(
-                _what("all_gather", group),
+                _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Allgather([send, count, etype], [out, count, etype]),
-                lambda: comm.Iallgather([send, count, etype], [out, count, etype]),
+                comm.Allgather, comm.Iallgather, ([send, count, etype], [out, count, etype]),
                 lambda: out, (send, out),
             )
-        if route is Route.GATHER_PADDED_COMPACT:
+        if route is _GATHER_PADDED_COMPACT:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
-        if route is Route.GATHER_PADDED_STRIDED:
+        if route is _GATHER_PADDED_STRIDED:
             mx = max(sizes)
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
@@ -222,21 +233,19 @@ class MPIBackend:
                 return out
 
             return self._run(
-                _what("all_gather", group),
+                _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Allgather([pad_send, count, etype], [pad_out, rcount, rtype]),
-                lambda: comm.Iallgather([pad_send, count, etype], [pad_out, rcount, rtype]),
+                comm.Allgather, comm.Iallgather, ([pad_send, count, etype], [pad_out, rcount, rtype]),
                 finish, (pad_send, pad_out, out),
             )
-        if route is Route.GATHER_V:
+        if route is _GATHER_V:
             counts = [n * inner for n in sizes]
             displs = [o * inner for o in offs]
             spec = [out, (counts, displs), etype]
             return self._run(
-                _what("all_gather", group),
+                _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Allgatherv([send, send.size, etype], spec),
-                lambda: comm.Iallgatherv([send, send.size, etype], spec),
+                comm.Allgatherv, comm.Iallgatherv, ([send, send.size, etype], spec),
                 lambda: out, (send, out),
             )
         # the own block is NumPy's strided copy, the others MPI's datatype engine writes in
@@ -252,10 +261,9 @@ class MPIBackend:
         sspec = [send, ([0 if i == me else send.size for i in range(m)], [0] * m), [etype] * m]
         rspec = [out, (rcounts, rdispls), rtypes]
         return self._run(
-            _what("all_gather", group),
+            _what("all_gather", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Alltoallw(sspec, rspec),
-            lambda: comm.Ialltoallw(sspec, rspec),
+            comm.Alltoallw, comm.Ialltoallw, (sspec, rspec),
             lambda: out, (send, out, rtypes),
         )
 
@@ -285,10 +293,9 @@ class MPIBackend:
             return buf[:at].reshape(out.shape)
 
         return self._run(
-            _what("all_gather", group),
+            _what("all_gather", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Allgather([pad_send, mx, etype], [buf, mx, etype]),
-            lambda: comm.Iallgather([pad_send, mx, etype], [buf, mx, etype]),
+            comm.Allgather, comm.Iallgather, ([pad_send, mx, etype], [buf, mx, etype]),
             finish, (pad_send, buf),
         )
 
@@ -325,26 +332,24 @@ class MPIBackend:
                 out[where] = unpack[at : at + count].reshape(shape)
             return out
 
-        if lay.route is Route.A2A_PADDED or lay.route is Route.A2A_EQUAL:
+        if lay.route is _A2A_PADDED or lay.route is _A2A_EQUAL:
             n = lay.width
             sbuf = [pack, n, etype] if lay.send_vector is None else \
                 [send, 1, _strided_block_type(item, *lay.send_vector)]
             rbuf = [unpack, n, etype] if lay.recv_vector is None else \
                 [out, 1, _strided_block_type(item, *lay.recv_vector)]
             return self._run(
-                _what("all_to_all", group),
+                _what("all_to_all", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Alltoall(sbuf, rbuf),
-                lambda: comm.Ialltoall(sbuf, rbuf),
+                comm.Alltoall, comm.Ialltoall, (sbuf, rbuf),
                 finish, (pack, unpack, send, out, sbuf, rbuf),
             )
         sspec = [pack, lay.send_spec, etype]
         rspec = [unpack, lay.recv_spec, etype]
         return self._run(
-            _what("all_to_all", group),
+            _what("all_to_all", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Alltoallv(sspec, rspec),
-            lambda: comm.Ialltoallv(sspec, rspec),
+            comm.Alltoallv, comm.Ialltoallv, (sspec, rspec),
             finish, (pack, unpack, send, out),
         )
 
@@ -369,11 +374,10 @@ class MPIBackend:
             return out
 
         return self._run(
-            _what("all_reduce", group),
+            _what("all_reduce", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Allreduce([src, mtype], [dst, mtype], op=op),
-            lambda: comm.Iallreduce([src, mtype], [dst, mtype], op=op),
-            finish, (src, dst, out),
+            comm.Allreduce, comm.Iallreduce, ([src, mtype], [dst, mtype]),
+            finish, (src, dst, out), op=op,
         )
 
     def reduce_scatter(
@@ -414,12 +418,14 @@ class MPIBackend:
 
         if width is not None:
             count = outer * width * inner
-            blocking = lambda: comm.Reduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)
-            nonblocking = lambda: comm.Ireduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)
+            calls: tuple[Callable[..., Any], Callable[..., MPI.Request]] = (
+                comm.Reduce_scatter_block, comm.Ireduce_scatter_block)
+            args: tuple[Any, ...] = ([pack, mtype], [dst, count, mtype])
         else:
-            blocking = lambda: comm.Reduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
-            nonblocking = lambda: comm.Ireduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
-        return self._run(_what("reduce_scatter", group), async_op, blocking, nonblocking, finish, (pack, dst, out))
+            calls = comm.Reduce_scatter, comm.Ireduce_scatter
+            args = ([pack, mtype], [dst, mtype], counts)
+        return self._run(_what("reduce_scatter", group.mesh_dim, group.size), async_op, *calls, args, finish,
+                         (pack, dst, out), op=op)
 
     # -- one-to-all ----------------------------------------------------------------------
     def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work | Done:
@@ -427,11 +433,10 @@ class MPIBackend:
         etype = element_type(buf.dtype.itemsize)
         comm = group.comm
         return self._run(
-            _what("broadcast", group),
+            _what("broadcast", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Bcast([buf, buf.size, etype], root=root),
-            lambda: comm.Ibcast([buf, buf.size, etype], root=root),
-            lambda: buf, (buf,),
+            comm.Bcast, comm.Ibcast, ([buf, buf.size, etype],),
+            lambda: buf, (buf,), root=root,
         )
 
     def scatter(
@@ -469,22 +474,19 @@ class MPIBackend:
 
         if padded:
             count = outer * width * inner
-            blocking = lambda: comm.Scatter([pack, count, etype], [recv, count, etype], root=root)
-            nonblocking = lambda: comm.Iscatter([pack, count, etype], [recv, count, etype], root=root)
+            calls: tuple[Callable[..., Any], Callable[..., MPI.Request]] = (comm.Scatter, comm.Iscatter)
+            args: tuple[Any, ...] = ([pack, count, etype], [recv, count, etype])
         else:
             counts = [outer * n * inner for n in sizes]
             sspec = [pack, (counts, offsets(counts)), etype]
-            blocking = lambda: comm.Scatterv(sspec, [recv, recv.size, etype], root=root)
-            nonblocking = lambda: comm.Iscatterv(sspec, [recv, recv.size, etype], root=root)
-        return self._run(_what("scatter", group), async_op, blocking, nonblocking, finish, (pack, recv, out))
-
-
-def _what(kind: str, group: Group) -> str:
-    return _what_text(kind, group.mesh_dim, group.size)
+            calls = comm.Scatterv, comm.Iscatterv
+            args = (sspec, [recv, recv.size, etype])
+        return self._run(_what("scatter", group.mesh_dim, group.size), async_op, *calls, args, finish,
+                         (pack, recv, out), root=root)
 
 
 @lru_cache(maxsize=256)
-def _what_text(kind: str, mesh_dim: int | None, size: int) -> str:
+def _what(kind: str, mesh_dim: int | None, size: int) -> str:
     """The collective's name in a timeout error, made once per (kind, mesh dim, size)."""
     dim = "" if mesh_dim is None else f" along mesh dim {mesh_dim}"
     return f"{kind}{dim} ({size} ranks)"
