@@ -94,6 +94,8 @@ no padded copy (peak 1x the output, not 2.5x). Below it ``Allgatherv`` is as fas
 
 def _xp(a: Any) -> Any:
     """The array module of ``a`` (CuPy buffers go to a CUDA-aware MPI as they are)."""
+    if type(a) is np.ndarray:
+        return np
     if type(a).__module__.startswith("cupy"):
         import cupy
 
