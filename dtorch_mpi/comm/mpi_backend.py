@@ -31,20 +31,6 @@ _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
 
 
-def _cached_type(key: tuple[Any, ...], make: Callable[[], MPI.Datatype]) -> MPI.Datatype:
-    t = _TYPE_CACHE.get(key)
-    if t is None:
-        t = make()
-        t.Commit()
-        _TYPE_CACHE[key] = t
-        if len(_TYPE_CACHE) > _TYPE_CACHE_SIZE:
-            _, old = _TYPE_CACHE.popitem(last=False)
-            old.Free()  # MPI keeps it alive for any operation still using it
-    else:
-        _TYPE_CACHE.move_to_end(key)
-    return t
-
-
 def free_cached_types() -> None:
     """Free every cached datatype (at ``DeviceMesh.free()``; MPI keeps one alive for an operation
     still using it, and the next call makes it again)."""
@@ -53,15 +39,21 @@ def free_cached_types() -> None:
 
 
 def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> MPI.Datatype:
-    """``outer`` runs of ``block`` elements, ``stride`` elements apart, extent one ``block``."""
-
-    def make() -> MPI.Datatype:
-        vec = element_type(itemsize).Create_vector(outer, block, stride)
-        resized = vec.Create_resized(0, block * itemsize)
-        vec.Free()
-        return resized
-
-    return _cached_type(("vec", itemsize, outer, block, stride), make)
+    """``outer`` runs of ``block`` elements, ``stride`` elements apart, extent one ``block``:
+    made and committed once (the cache keeps the last ``_TYPE_CACHE_SIZE``, freeing older ones)."""
+    key = (itemsize, outer, block, stride)
+    t = _TYPE_CACHE.get(key)
+    if t is not None:
+        _TYPE_CACHE.move_to_end(key)
+        return t
+    vec = element_type(itemsize).Create_vector(outer, block, stride)
+    t = vec.Create_resized(0, block * itemsize)
+    vec.Free()
+    t.Commit()
+    _TYPE_CACHE[key] = t
+    if len(_TYPE_CACHE) > _TYPE_CACHE_SIZE:
+        _TYPE_CACHE.popitem(last=False)[1].Free()  # MPI keeps it alive for any operation still using it
+    return t
 
 
 # the routes the backend compares per call, as module globals: reading ``Route.X`` costs
