@@ -123,9 +123,9 @@ class Prologued:
             return _alone(send, out)
         facts = {"split": split_axis, "concat": concat_axis, "split_sizes": tuple(split_sizes),
                  "concat_sizes": tuple(concat_sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        # all ranks' blocks empty (group-wide); a non-empty ``send`` has non-empty other dims
-        empty = not (sum(split_sizes) and sum(concat_sizes) and (send.size or _others(send.shape, split_axis,
-                                                                                        concat_axis)))
+        # all ranks' blocks empty (a group-wide fact); a non-empty ``send`` already says no
+        empty = not send.size and not (sum(split_sizes) and sum(concat_sizes)
+                                       and _others(send.shape, split_axis, concat_axis))
         if (done := self._enter(group, "all_to_all", None, send, out, facts, empty)) is not None:
             return done
         if counter._active:
