@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from contextlib import suppress
 from functools import lru_cache
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -361,8 +360,10 @@ class DTensor:
         spec = self._spec
         key: Any = placements
         if placements is not None and not isinstance(placements, Placement):
-            with suppress(TypeError):  # not iterable: _normalized raises the error
+            try:  # (not `with suppress`: its context manager costs ~0.2 us per call)
                 key = tuple(placements)  # a list or a generator: one hashable spelling
+            except TypeError:  # not iterable: _normalized raises the error
+                key = placements
         try:
             plan: CompiledPlan | None = spec.plans.get(key)
         except TypeError:  # unhashable entries: _normalized names them

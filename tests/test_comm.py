@@ -75,8 +75,8 @@ def test_route_choice_is_a_function_of_group_wide_sizes() -> None:
     assert gather_route("padded", (2, 1), 3, 64, big) is Route.GATHER_PADDED_STRIDED
     assert gather_route("auto", (2, 1), 3, 64, big) is Route.GATHER_W
     assert gather_route("padded", (0, 0), 1, 0, big) is Route.NOTHING
-    assert [r.call for r in (Route.GATHER_PADDED_COMPACT, Route.A2A_PADDED, Route.NOTHING)] == [
-        "Allgather", "Alltoall", None]
+    assert [r.padded for r in (Route.GATHER_PADDED_COMPACT, Route.A2A_PADDED, Route.A2A_EQUAL)] == [
+        True, True, False]
 
 
 @pytest.mark.skipif(SIZE == 1, reason="a divergence needs two ranks")
@@ -110,3 +110,22 @@ def test_one_registry_selects_the_backends() -> None:
         dt.comm.backend_named("ucc")
     with pytest.raises(ValueError, match="DTORCH_GPU_BACKEND='ucc' is not one of auto, nccl"):
         gpu.choose_backend("ucc", True, 1, 1, False)
+
+
+def test_freeing_a_mesh_frees_the_cached_datatypes(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """Strided all-to-all blocks move through cached committed datatypes; DeviceMesh.free()
+    frees them, and a live mesh's next call makes them again."""
+    from dtorch_mpi.comm import mpi_backend
+
+    full = np.arange(4.0 * SIZE * SIZE).reshape(2 * SIZE, 2 * SIZE)
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    x = dt.distribute_tensor(full, mesh, [dt.Shard(0)], src_data_rank=None)
+    check.equal(x.redistribute(placements=[dt.Shard(1)]).to_torch(), full, "S(0) -> S(1)")
+    typed = SIZE > 1 and dt.comm.comm_path() != "padded"
+    check.true(not typed or bool(mpi_backend._TYPE_CACHE), "no cached datatype")
+    mesh.free()
+    check.true(not mpi_backend._TYPE_CACHE, f"left after free: {list(mpi_backend._TYPE_CACHE)}")
+    y = dt.distribute_tensor(full, mesh1d, [dt.Shard(0)], src_data_rank=None)
+    check.equal(y.redistribute(placements=[dt.Shard(1)]).to_torch(), full, "S(0) -> S(1) on a live mesh")
+    check.true(not typed or bool(mpi_backend._TYPE_CACHE), "not made again")
+    check.done()

@@ -243,6 +243,39 @@ def test_large_uneven_gather_takes_alltoallw(mesh1d: dt.DeviceMesh, monkeypatch:
                              "padded": Route.GATHER_PADDED_COMPACT}[dt.comm.comm_path()], route
 
 
+@pytest.mark.parametrize("strided_below", [0, 1 << 30], ids=["packed", "datatypes"])
+def test_equal_block_all_to_all_with_and_without_strided_datatypes(
+    mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch, check: Checker,
+    strided_below: int,
+) -> None:
+    """Below STRIDED_A2A_BELOW an equal-block all-to-all reads and writes its strided sides
+    through vector datatypes, from it through a NumPy pack and unpack: both are right for every
+    shard pair (the uneven shapes take the other routes), and the layout says which is taken."""
+    from dtorch_mpi.comm import mpi_backend
+
+    monkeypatch.setattr(mpi_backend, "STRIDED_A2A_BELOW", strided_below)
+    shards = [dt.Shard(0), dt.Shard(1), dt.Shard(2)]
+    pairs = [([a], [b]) for a, b in itertools.product(shards, shards) if a != b]
+    shapes = [(2 * SIZE, 2 * SIZE, 3), (3, SIZE, 2 * SIZE), (SIZE, 5, 2 * SIZE)] + \
+        [(n, 2 * SIZE, 3) for n in lengths_for(SIZE)]
+    run_pairs(mesh1d, pairs, shapes, check)
+    run_pairs(mesh1d, pairs, shapes, check, async_op=True)
+    layouts = [[dt.Shard(0), dt.Shard(1)], [dt.Shard(1), dt.Shard(0)], [dt.Shard(2), dt.Shard(1)]]
+    run_pairs(mesh2d, [(a, b) for a in layouts for b in layouts], [(4, 4, 4), (2, 6, 4)], check)
+    # S(0) -> S(1) of (2m, 2m, 3): the send side splits dim 1 (strided), the output is contiguous;
+    # S(1) -> S(0): contiguous send side, strided output
+    m, me = SIZE, RANK
+    s01 = mpi_backend._a2a_layout(dt.comm.comm_path(), (2, 2 * m, 3), (2 * m, 2, 3), 1, (2,) * m, 0, (2,) * m, 8,
+                                  mpi_backend.ALLTOALLV_FROM, strided_below, m, me)
+    s10 = mpi_backend._a2a_layout(dt.comm.comm_path(), (2 * m, 2, 3), (2, 2 * m, 3), 0, (2,) * m, 1, (2,) * m, 8,
+                                  mpi_backend.ALLTOALLV_FROM, strided_below, m, me)
+    typed = strided_below > 0 and dt.comm.comm_path() != "padded"
+    check.true((s01.send_vector == (2, 6, 6 * m)) == typed and s01.recv_vector is None, f"{s01}")
+    check.true((s10.recv_vector == (2, 6, 6 * m)) == typed and s10.send_vector is None, f"{s10}")
+    check.true(not typed or (s01.pack_len is None and s10.unpack_len is None), "a typed side is not packed")
+    check.done()
+
+
 def test_large_all_to_all_keeps_the_own_block_local(
     mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch, check: Checker,
 ) -> None:

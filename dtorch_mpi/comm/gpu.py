@@ -23,7 +23,7 @@ from .group import Group
 from .layout import offsets, view3
 from .lifetime import CommAttached
 from .mpi_backend import MPIBackend, _pack_by_destination
-from .work import Work, completed
+from .work import Done, Work, completed
 
 
 # --- selection -----------------------------------------------------------------------------
@@ -109,7 +109,7 @@ def selected_backend() -> str:
 class _Staged:
     """A host collective whose result is copied back to the device on completion."""
 
-    def __init__(self, work: Work, finish: Callable[[Any], Any]) -> None:
+    def __init__(self, work: Work | Done, finish: Callable[[Any], Any]) -> None:
         self._work, self._finish, self._result, self._done = work, finish, None, False
 
     def done(self) -> bool:
@@ -194,6 +194,7 @@ class CudaAwareMPIBackend(MPIBackend):
     """CuPy buffers straight to a CUDA-aware MPI (after a stream synchronize)."""
 
     name = "cuda-aware-mpi"
+    device_buffers = True
 
 
 # --- NCCL ----------------------------------------------------------------------------------

@@ -24,44 +24,56 @@ from .deadline import collective_timeout
 from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
-from .routes import Route, all_to_all_route, gather_route
-from .work import Work, progress_in_background, reap, waited
+from .routes import Route, all_to_all_bytes, all_to_all_route, gather_route
+from .work import Done, Work, progress_in_background, reap, waited
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
 _TYPE_CACHE_SIZE = 512
 
 
-def _cached_type(key: tuple[Any, ...], make: Callable[[], MPI.Datatype]) -> MPI.Datatype:
-    t = _TYPE_CACHE.get(key)
-    if t is None:
-        t = make()
-        t.Commit()
-        _TYPE_CACHE[key] = t
-        if len(_TYPE_CACHE) > _TYPE_CACHE_SIZE:
-            _, old = _TYPE_CACHE.popitem(last=False)
-            old.Free()  # MPI keeps it alive for any operation still using it
-    else:
-        _TYPE_CACHE.move_to_end(key)
-    return t
+def free_cached_types() -> None:
+    """Free every cached datatype (at ``DeviceMesh.free()``; MPI keeps one alive for an operation
+    still using it, and the next call makes it again)."""
+    while _TYPE_CACHE:
+        _TYPE_CACHE.popitem()[1].Free()
 
 
 def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> MPI.Datatype:
-    """``outer`` runs of ``block`` elements, ``stride`` elements apart, extent one ``block``."""
+    """``outer`` runs of ``block`` elements, ``stride`` elements apart, extent one ``block``:
+    made and committed once (the cache keeps the last ``_TYPE_CACHE_SIZE``, freeing older ones)."""
+    key = (itemsize, outer, block, stride)
+    t = _TYPE_CACHE.get(key)
+    if t is not None:
+        _TYPE_CACHE.move_to_end(key)
+        return t
+    vec = element_type(itemsize).Create_vector(outer, block, stride)
+    t = vec.Create_resized(0, block * itemsize)
+    vec.Free()
+    t.Commit()
+    _TYPE_CACHE[key] = t
+    if len(_TYPE_CACHE) > _TYPE_CACHE_SIZE:
+        _TYPE_CACHE.popitem(last=False)[1].Free()  # MPI keeps it alive for any operation still using it
+    return t
 
-    def make() -> MPI.Datatype:
-        vec = element_type(itemsize).Create_vector(outer, block, stride)
-        resized = vec.Create_resized(0, block * itemsize)
-        vec.Free()
-        return resized
 
-    return _cached_type(("vec", itemsize, outer, block, stride), make)
-
+# the routes the backend compares per call, as module globals: reading ``Route.X`` costs
+# ~0.15 us on Python 3.11 (an enum member is a descriptor on its class)
+_GATHER_EQUAL, _GATHER_PADDED_COMPACT, _GATHER_PADDED_STRIDED, _GATHER_V = (
+    Route.GATHER_EQUAL, Route.GATHER_PADDED_COMPACT, Route.GATHER_PADDED_STRIDED, Route.GATHER_V)
+_A2A_EQUAL, _A2A_PADDED = Route.A2A_EQUAL, Route.A2A_PADDED
 
 ALLTOALLV_FROM = 1 << 20
 """From this tensor size on (bytes, all ranks' pieces together) an all-to-all uses ``Alltoallv``
 with the own block copied by NumPy, not packed, sent to itself and unpacked: 0.6-1.6x a raw
 ``Alltoall`` into a reused buffer vs 1.3-2.2x with the own block in the call (4-128 MB, 2 and 4
 ranks, MPICH 5); below it the equal-block ``Alltoall`` is cheaper per call."""
+
+STRIDED_A2A_BELOW = 32 << 10
+"""Below this tensor size (bytes, all ranks' pieces together) an equal-block ``Alltoall`` reads
+a non-contiguous send side and writes a non-contiguous output straight through a vector
+datatype (cached, ``_strided_block_type``) instead of a NumPy pack and unpack: 0.75-0.95x the
+pack + ``Alltoall`` + unpack at 1-25 KB; from 36 KB MPICH 5's datatype engine on the send side
+is 2.2-3.3x, on the receive side 0.95-1.3x (2 ranks)."""
 
 UNEVEN_GATHER_W_FROM = 512 << 10
 """``auto`` path: from this output size on (bytes, the same on every rank), an uneven contiguous
@@ -74,6 +86,8 @@ no padded copy (peak 1x the output, not 2.5x). Below it ``Allgatherv`` is as fas
 
 def _xp(a: Any) -> Any:
     """The array module of ``a`` (CuPy buffers go to a CUDA-aware MPI as they are)."""
+    if type(a) is np.ndarray:
+        return np
     if type(a).__module__.startswith("cupy"):
         import cupy
 
@@ -133,34 +147,40 @@ class MPIBackend:
     prologue (comm/prologue.py): groups of two or more ranks with something to move."""
 
     name = "mpi"
+    device_buffers = False  # whether MPI is handed GPU memory (CudaAwareMPIBackend)
 
     def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
         """The MPI call (route) made for a collective and whether it pads (comm/routes.py)."""
         return _CALLS[kind](send, out, facts, comm_path())
 
     # -- helpers -------------------------------------------------------------------------
-    @staticmethod
     def _run(
+        self,
         what: str,
         async_op: bool,
-        blocking: Callable[[], None],
-        nonblocking: Callable[[], MPI.Request],
+        blocking: Callable[..., None],
+        nonblocking: Callable[..., MPI.Request],
+        args: tuple[Any, ...],
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
-    ) -> Work:
-        """Start the collective: nonblocking when asked (a handle, progressed in the
-        background); with the deadline on, nonblocking and waited here at once, bounded by it;
-        a plain blocking call when DTORCH_COLLECTIVE_TIMEOUT=0."""
+        **kwargs: Any,
+    ) -> Work | Done:
+        """Start the collective ``blocking(*args, **kwargs)`` (an mpi4py method; ``nonblocking``
+        its ``I`` form): nonblocking when asked (a handle, progressed in the background); with
+        the deadline on, nonblocking and waited here at once, bounded by it; a plain blocking
+        call when DTORCH_COLLECTIVE_TIMEOUT=0. (Methods and arguments, not closures: made on
+        every call.)"""
         reap()
-        _sync_device(keep)
+        if self.device_buffers:
+            _sync_device(keep)
         if async_op:
-            work = Work(nonblocking(), finish, keep, what)
+            work = Work(nonblocking(*args, **kwargs), finish, keep, what)
             progress_in_background()
             return work
         if collective_timeout() > 0:
-            return waited(nonblocking(), finish, keep, what)
-        blocking()
-        return Work(None, finish)
+            return waited(nonblocking(*args, **kwargs), finish, keep, what)
+        blocking(*args, **kwargs)
+        return Done(finish())
 
     # -- all-gather ----------------------------------------------------------------------
     def all_gather(
@@ -171,7 +191,7 @@ class MPIBackend:
         axis: int,
         sizes: Sequence[int],
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
         item = out.dtype.itemsize
@@ -180,18 +200,17 @@ class MPIBackend:
         send = _contiguous(send)
         etype = element_type(item)
         comm = group.comm
-        if route is Route.GATHER_EQUAL:
+        if route is _GATHER_EQUAL:
             count = sizes[0] * inner
             return self._run(
-                _what("all_gather", group),
+                _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Allgather([send, count, etype], [out, count, etype]),
-                lambda: comm.Iallgather([send, count, etype], [out, count, etype]),
+                comm.Allgather, comm.Iallgather, ([send, count, etype], [out, count, etype]),
                 lambda: out, (send, out),
             )
-        if route is Route.GATHER_PADDED_COMPACT:
+        if route is _GATHER_PADDED_COMPACT:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
-        if route is Route.GATHER_PADDED_STRIDED:
+        if route is _GATHER_PADDED_STRIDED:
             mx = max(sizes)
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
@@ -208,21 +227,19 @@ class MPIBackend:
                 return out
 
             return self._run(
-                _what("all_gather", group),
+                _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Allgather([pad_send, count, etype], [pad_out, rcount, rtype]),
-                lambda: comm.Iallgather([pad_send, count, etype], [pad_out, rcount, rtype]),
+                comm.Allgather, comm.Iallgather, ([pad_send, count, etype], [pad_out, rcount, rtype]),
                 finish, (pad_send, pad_out, out),
             )
-        if route is Route.GATHER_V:
+        if route is _GATHER_V:
             counts = [n * inner for n in sizes]
             displs = [o * inner for o in offs]
             spec = [out, (counts, displs), etype]
             return self._run(
-                _what("all_gather", group),
+                _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Allgatherv([send, send.size, etype], spec),
-                lambda: comm.Iallgatherv([send, send.size, etype], spec),
+                comm.Allgatherv, comm.Iallgatherv, ([send, send.size, etype], spec),
                 lambda: out, (send, out),
             )
         # the own block is NumPy's strided copy, the others MPI's datatype engine writes in
@@ -238,17 +255,16 @@ class MPIBackend:
         sspec = [send, ([0 if i == me else send.size for i in range(m)], [0] * m), [etype] * m]
         rspec = [out, (rcounts, rdispls), rtypes]
         return self._run(
-            _what("all_gather", group),
+            _what("all_gather", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Alltoallw(sspec, rspec),
-            lambda: comm.Ialltoallw(sspec, rspec),
+            comm.Alltoallw, comm.Ialltoallw, (sspec, rspec),
             lambda: out, (send, out, rtypes),
         )
 
     def _gather_padded_in_place(
         self, group: Group, send: np.ndarray, out: np.ndarray, sizes: Sequence[int], inner: int,
         async_op: bool,
-    ) -> Work:
+    ) -> Work | Done:
         """Uneven contiguous gather on the equal-size ``Allgather`` (the padded path): gather
         padded blocks into a buffer ``m * max`` long, then slide the short blocks down in place
         (faster than gathering into a temporary and copying out). The result is a view of that buffer (at most ``m`` rows
@@ -271,10 +287,9 @@ class MPIBackend:
             return buf[:at].reshape(out.shape)
 
         return self._run(
-            _what("all_gather", group),
+            _what("all_gather", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Allgather([pad_send, mx, etype], [buf, mx, etype]),
-            lambda: comm.Iallgather([pad_send, mx, etype], [buf, mx, etype]),
+            comm.Allgather, comm.Iallgather, ([pad_send, mx, etype], [buf, mx, etype]),
             finish, (pad_send, buf),
         )
 
@@ -289,18 +304,20 @@ class MPIBackend:
         concat_axis: int,
         concat_sizes: Sequence[int],
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
+        item = out.dtype.itemsize
         lay = _a2a_layout(comm_path(), send.shape, out.shape, split_axis, tuple(split_sizes), concat_axis,
-                          tuple(concat_sizes), out.dtype.itemsize, ALLTOALLV_FROM, group.size, group.rank)
+                          tuple(concat_sizes), item, ALLTOALLV_FROM, STRIDED_A2A_BELOW, group.size, group.rank)
         send = _contiguous(send)
-        etype = element_type(out.dtype.itemsize)
+        etype = element_type(item)
         comm = group.comm
         if lay.own is not None:  # the own block: one NumPy copy, not pack + MPI + unpack
             out[lay.own[1]] = send[lay.own[0]]
-        pack = _empty(out, lay.pack_len, out.dtype) if lay.pack_len is not None else send.reshape(-1)
-        unpack = _empty(out, lay.unpack_len, out.dtype) if lay.unpack_len is not None else out.reshape(-1)
+        # (``send`` and ``out`` are C-contiguous: MPI reads and writes them in place)
+        pack = _empty(out, lay.pack_len, out.dtype) if lay.pack_len is not None else send
+        unpack = _empty(out, lay.unpack_len, out.dtype) if lay.unpack_len is not None else out
         for at, count, shape, where in lay.packs:
             pack[at : at + count].reshape(shape)[...] = send[where]
 
@@ -309,22 +326,24 @@ class MPIBackend:
                 out[where] = unpack[at : at + count].reshape(shape)
             return out
 
-        if lay.route is Route.A2A_PADDED or lay.route is Route.A2A_EQUAL:
+        if lay.route is _A2A_PADDED or lay.route is _A2A_EQUAL:
             n = lay.width
+            sbuf = [pack, n, etype] if lay.send_vector is None else \
+                [send, 1, _strided_block_type(item, *lay.send_vector)]
+            rbuf = [unpack, n, etype] if lay.recv_vector is None else \
+                [out, 1, _strided_block_type(item, *lay.recv_vector)]
             return self._run(
-                _what("all_to_all", group),
+                _what("all_to_all", group.mesh_dim, group.size),
                 async_op,
-                lambda: comm.Alltoall([pack, n, etype], [unpack, n, etype]),
-                lambda: comm.Ialltoall([pack, n, etype], [unpack, n, etype]),
-                finish, (pack, unpack, send, out),
+                comm.Alltoall, comm.Ialltoall, (sbuf, rbuf),
+                finish, (pack, unpack, send, out, sbuf, rbuf),
             )
         sspec = [pack, lay.send_spec, etype]
         rspec = [unpack, lay.recv_spec, etype]
         return self._run(
-            _what("all_to_all", group),
+            _what("all_to_all", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Alltoallv(sspec, rspec),
-            lambda: comm.Ialltoallv(sspec, rspec),
+            comm.Alltoallv, comm.Ialltoallv, (sspec, rspec),
             finish, (pack, unpack, send, out),
         )
 
@@ -332,7 +351,7 @@ class MPIBackend:
     def all_reduce(
         self, group: Group, send: np.ndarray, out: np.ndarray, reduce_op: str,
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
         m = group.size
         wide = WIDENED.get(out.dtype)
@@ -349,11 +368,10 @@ class MPIBackend:
             return out
 
         return self._run(
-            _what("all_reduce", group),
+            _what("all_reduce", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Allreduce([src, mtype], [dst, mtype], op=op),
-            lambda: comm.Iallreduce([src, mtype], [dst, mtype], op=op),
-            finish, (src, dst, out),
+            comm.Allreduce, comm.Iallreduce, ([src, mtype], [dst, mtype]),
+            finish, (src, dst, out), op=op,
         )
 
     def reduce_scatter(
@@ -365,7 +383,7 @@ class MPIBackend:
         sizes: Sequence[int],
         reduce_op: str,
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Reduce every rank's ``send``; rank ``i`` keeps block ``i`` along ``axis`` in ``out``."""
         m, me = group.size, group.rank
         outer, length, inner = view3(send.shape, axis)
@@ -394,24 +412,25 @@ class MPIBackend:
 
         if width is not None:
             count = outer * width * inner
-            blocking = lambda: comm.Reduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)
-            nonblocking = lambda: comm.Ireduce_scatter_block([pack, mtype], [dst, count, mtype], op=op)
+            calls: tuple[Callable[..., Any], Callable[..., MPI.Request]] = (
+                comm.Reduce_scatter_block, comm.Ireduce_scatter_block)
+            args: tuple[Any, ...] = ([pack, mtype], [dst, count, mtype])
         else:
-            blocking = lambda: comm.Reduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
-            nonblocking = lambda: comm.Ireduce_scatter([pack, mtype], [dst, mtype], counts, op=op)
-        return self._run(_what("reduce_scatter", group), async_op, blocking, nonblocking, finish, (pack, dst, out))
+            calls = comm.Reduce_scatter, comm.Ireduce_scatter
+            args = ([pack, mtype], [dst, mtype], counts)
+        return self._run(_what("reduce_scatter", group.mesh_dim, group.size), async_op, *calls, args, finish,
+                         (pack, dst, out), op=op)
 
     # -- one-to-all ----------------------------------------------------------------------
-    def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work:
+    def broadcast(self, group: Group, buf: np.ndarray, root: int, async_op: bool = False) -> Work | Done:
         """Copy ``buf`` from group rank ``root`` to every rank, in place."""
         etype = element_type(buf.dtype.itemsize)
         comm = group.comm
         return self._run(
-            _what("broadcast", group),
+            _what("broadcast", group.mesh_dim, group.size),
             async_op,
-            lambda: comm.Bcast([buf, buf.size, etype], root=root),
-            lambda: comm.Ibcast([buf, buf.size, etype], root=root),
-            lambda: buf, (buf,),
+            comm.Bcast, comm.Ibcast, ([buf, buf.size, etype],),
+            lambda: buf, (buf,), root=root,
         )
 
     def scatter(
@@ -423,7 +442,7 @@ class MPIBackend:
         sizes: Sequence[int],
         root: int,
         async_op: bool = False,
-    ) -> Work:
+    ) -> Work | Done:
         """Rank ``i`` receives block ``i`` along ``axis`` of the root's ``send``."""
         me = group.rank
         item = out.dtype.itemsize
@@ -449,22 +468,19 @@ class MPIBackend:
 
         if padded:
             count = outer * width * inner
-            blocking = lambda: comm.Scatter([pack, count, etype], [recv, count, etype], root=root)
-            nonblocking = lambda: comm.Iscatter([pack, count, etype], [recv, count, etype], root=root)
+            calls: tuple[Callable[..., Any], Callable[..., MPI.Request]] = (comm.Scatter, comm.Iscatter)
+            args: tuple[Any, ...] = ([pack, count, etype], [recv, count, etype])
         else:
             counts = [outer * n * inner for n in sizes]
             sspec = [pack, (counts, offsets(counts)), etype]
-            blocking = lambda: comm.Scatterv(sspec, [recv, recv.size, etype], root=root)
-            nonblocking = lambda: comm.Iscatterv(sspec, [recv, recv.size, etype], root=root)
-        return self._run(_what("scatter", group), async_op, blocking, nonblocking, finish, (pack, recv, out))
-
-
-def _what(kind: str, group: Group) -> str:
-    return _what_text(kind, group.mesh_dim, group.size)
+            calls = comm.Scatterv, comm.Iscatterv
+            args = (sspec, [recv, recv.size, etype])
+        return self._run(_what("scatter", group.mesh_dim, group.size), async_op, *calls, args, finish,
+                         (pack, recv, out), root=root)
 
 
 @lru_cache(maxsize=256)
-def _what_text(kind: str, mesh_dim: int | None, size: int) -> str:
+def _what(kind: str, mesh_dim: int | None, size: int) -> str:
     """The collective's name in a timeout error, made once per (kind, mesh dim, size)."""
     dim = "" if mesh_dim is None else f" along mesh dim {mesh_dim}"
     return f"{kind}{dim} ({size} ranks)"
@@ -514,12 +530,14 @@ class _A2ALayout(NamedTuple):
     unpacks: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, count, shape, out index)
     send_spec: tuple[list[int], list[int]]  # Alltoallv (counts, displacements)
     recv_spec: tuple[list[int], list[int]]
+    send_vector: tuple[int, int, int] | None  # a strided send side read in place: (rows, run, stride)
+    recv_vector: tuple[int, int, int] | None  # a strided output written in place
 
 
 @lru_cache(maxsize=1024)
 def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ...], split_axis: int,
                 split_sizes: tuple[int, ...], concat_axis: int, concat_sizes: tuple[int, ...], itemsize: int,
-                variable_from: int, m: int, me: int) -> _A2ALayout:
+                variable_from: int, strided_below: int, m: int, me: int) -> _A2ALayout:
     route = all_to_all_route(path, send_shape, split_axis, split_sizes, concat_axis, concat_sizes, itemsize,
                              variable_from)
     s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
@@ -534,9 +552,16 @@ def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ..
     moved_send = [0 if own_local and j == me else n for j, n in enumerate(send_counts)]
     moved_recv = [0 if own_local and j == me else n for j, n in enumerate(recv_counts)]
     # a side whose blocks are already contiguous moves in place, with no copy; a packed side
-    # holds only the blocks MPI moves
-    pack_needed = padded or view3(send_shape, split_axis)[0] > 1
-    unpack_needed = padded or view3(out_shape, concat_axis)[0] > 1
+    # holds only the blocks MPI moves; a small equal-block one is read/written in place through
+    # a vector datatype (block j: ``rows`` runs of ``run`` elements, ``stride`` apart)
+    s_rows, s_len, s_inner = view3(send_shape, split_axis)
+    r_rows, r_len, r_inner = view3(out_shape, concat_axis)
+    typed = route is Route.A2A_EQUAL and all_to_all_bytes(
+        send_shape, split_axis, split_sizes, concat_axis, concat_sizes, itemsize) < strided_below
+    send_vector = (s_rows, split_sizes[0] * s_inner, s_len * s_inner) if typed and s_rows > 1 else None
+    recv_vector = (r_rows, concat_sizes[0] * r_inner, r_len * r_inner) if typed and r_rows > 1 else None
+    pack_needed = padded or (s_rows > 1 and send_vector is None)
+    unpack_needed = padded or (r_rows > 1 and recv_vector is None)
     width = send_counts[0]
     if padded:
         width = _global_block(send_shape, split_axis, split_sizes, concat_axis, concat_sizes)
@@ -557,6 +582,8 @@ def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ..
         if unpack_needed else (),
         send_spec=(moved_send, send_at),
         recv_spec=(moved_recv, recv_at),
+        send_vector=send_vector,
+        recv_vector=recv_vector,
     )
 
 

@@ -21,6 +21,8 @@ import os
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -124,3 +126,12 @@ def empty(xp: Any, shape: tuple[int, ...] | int, dtype: Any) -> Any:
             _held += nbytes
         _owners.move_to_end(nbytes)
         return owner.view(dt).reshape(dims)
+
+
+def allocator(xp: Any, shape: tuple[int, ...], dtype: Any) -> Callable[[], Any]:
+    """``empty(xp, shape, dtype)`` as a function of no arguments, with the choice between a
+    plain and a pooled allocation made once (for a compiled plan's output buffers)."""
+    dt = np.dtype(dtype)
+    if xp is np and (prod(shape) * dt.itemsize < POOLED_FROM or dt.hasobject):
+        return partial(np.empty, shape, dt)
+    return partial(empty, xp, shape, dt)

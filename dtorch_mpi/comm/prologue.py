@@ -92,9 +92,11 @@ class Prologued:
 
     def _enter(self, group: Group, kind: str, shared: Any, send: Any, out: Any, facts: dict[str, Any],
                empty: bool) -> Handle | None:
-        """Steps 2-4 (the caller did step 1): the finished handle when nothing moves, else None."""
+        """Steps 2-4 (the caller did step 1): the finished handle when nothing moves, else None.
+        ``facts`` is :data:`_NO_FACTS` exactly when neither the debug check nor a counter is on
+        (the caller read both once)."""
         collective_starting()
-        if spmd_debug():
+        if facts is not _NO_FACTS and spmd_debug():
             self._check(group, kind, shared, send, out, facts)
         return completed(out) if empty else None
 
@@ -121,7 +123,9 @@ class Prologued:
             return _alone(send, out)
         facts = {"split": split_axis, "concat": concat_axis, "split_sizes": tuple(split_sizes),
                  "concat_sizes": tuple(concat_sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        empty = not (sum(split_sizes) and sum(concat_sizes) and _others(send.shape, split_axis, concat_axis))
+        # all ranks' blocks empty (a group-wide fact); a non-empty ``send`` already says no
+        empty = not send.size and not (sum(split_sizes) and sum(concat_sizes)
+                                       and _others(send.shape, split_axis, concat_axis))
         if (done := self._enter(group, "all_to_all", None, send, out, facts, empty)) is not None:
             return done
         if counter._active:

@@ -15,7 +15,7 @@ from math import prod
 
 
 class Route(Enum):
-    """A collective's MPI-level realisation; ``call`` is the mpi4py method it makes."""
+    """A collective's MPI-level realisation; the value starts with the mpi4py method it makes."""
 
     NOTHING = "nothing moves"
     GATHER_EQUAL = "Allgather"
@@ -26,10 +26,6 @@ class Route(Enum):
     A2A_EQUAL = "Alltoall"
     A2A_PADDED = "Alltoall padded"
     A2A_V = "Alltoallv"
-
-    @property
-    def call(self) -> str | None:
-        return None if self is Route.NOTHING else self.value.split()[0]
 
     @property
     def padded(self) -> bool:
@@ -63,12 +59,18 @@ def all_to_all_route(
     e.g. all zero, must not pick ``Alltoall`` while the others call ``Alltoallv``). From
     ``variable_from`` bytes of the whole tensor (a shared fact too) ``Alltoallv`` is taken even
     for equal blocks, so the own block can stay out of the call."""
-    others = [n for i, n in enumerate(send_shape) if i not in (split_axis, concat_axis)]
-    if prod(others) == 0 or sum(split_sizes) == 0 or sum(concat_sizes) == 0:
+    total = all_to_all_bytes(send_shape, split_axis, split_sizes, concat_axis, concat_sizes, itemsize)
+    if total == 0:
         return Route.NOTHING
     if path == "padded":
         return Route.A2A_PADDED
-    total = prod(others) * sum(split_sizes) * sum(concat_sizes) * itemsize
     if len(set(split_sizes)) == 1 and len(set(concat_sizes)) == 1 and total < variable_from:
         return Route.A2A_EQUAL  # MPICH's Alltoall is 1.3-2x faster than its Alltoallv on small blocks
     return Route.A2A_V
+
+
+def all_to_all_bytes(send_shape: Sequence[int], split_axis: int, split_sizes: Sequence[int], concat_axis: int,
+                     concat_sizes: Sequence[int], itemsize: int) -> int:
+    """The bytes of the whole tensor an all-to-all moves (every rank's piece), a group-wide fact."""
+    others = prod(n for i, n in enumerate(send_shape) if i not in (split_axis, concat_axis))
+    return others * sum(split_sizes) * sum(concat_sizes) * itemsize

@@ -161,7 +161,23 @@ class Work:
         return self._result
 
 
-def waited(request: MPI.Request, finish: Callable[[], Any], keep: tuple[Any, ...], what: str) -> Work:
+class Done:
+    """A finished collective's handle: its result, nothing pending (what every blocking call
+    and local step returns; lighter than a :class:`Work`, as it is made on every call)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Any) -> None:
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self) -> Any:
+        return self._result
+
+
+def waited(request: MPI.Request, finish: Callable[[], Any], keep: tuple[Any, ...], what: str) -> Done:
     """A request started for a blocking call, waited here at once (bounded by the deadline).
     Nothing else runs until it completes, so it skips the in-flight registry; if the wait
     times out, its buffers are kept for good, as ``Work.wait`` keeps them."""
@@ -170,8 +186,8 @@ def waited(request: MPI.Request, finish: Callable[[], Any], keep: tuple[Any, ...
     except Exception:
         _ABANDONED.append(_InFlight(request, keep))
         raise
-    return Work(None, finish)
+    return Done(finish())
 
 
-def completed(result: Any) -> Work:
-    return Work(None, lambda: result)
+def completed(result: Any) -> Done:
+    return Done(result)

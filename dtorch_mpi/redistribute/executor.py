@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..comm import Backend, Group, Handle, backend_for, completed, pool
+from ..comm.mpi_backend import free_cached_types
 from ..comm.work import before_collective
 from ..mesh import cached_per_mesh, release_on_free
 from ..placement import Placement
@@ -45,6 +47,7 @@ class CompiledStep:
     args: tuple[Any, ...]
     out_shape: tuple[int, ...]
     run: "Callable[[CompiledStep, Any, Any, Backend, bool], Handle]" = field(repr=False, compare=False)
+    empty: Callable[[], Any] = field(repr=False, compare=False)  # a new output buffer (comm/pool.py)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def _collective(kind: StepKind) -> Callable[[CompiledStep, Any, Any, Backend, bo
 
     def run(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
         call = getattr(backend, name)
-        return call(step.group, x, pool.empty(xp, step.out_shape, x.dtype), *step.args, async_op=async_op)  # type: ignore[no-any-return]
+        return call(step.group, x, step.empty(), *step.args, async_op=async_op)  # type: ignore[no-any-return]
 
     return run
 
@@ -125,9 +128,8 @@ def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compiled
 @cached_per_mesh("_plans", maxsize=4096)
 def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> CompiledPlan:
     mesh = spec.mesh
-    mesh._check_alive()
+    coord = mesh.get_coordinate()  # raises for a freed mesh
     out_spec = spec.with_placements(target)
-    coord = mesh.get_coordinate()
     xp = array_namespace(mesh.device_type)
     if coord is None:
         return CompiledPlan(out_spec, (), xp)
@@ -141,12 +143,14 @@ def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compile
         group = Group(mesh.get_group(k), k) if step.communicates else None
         rule = _STEPS[step.kind]
         args = rule.args(step.src, step.dst, shape, out_shape, m, me)
-        compiled.append(CompiledStep(step.kind, group, args, out_shape, rule.run))
+        compiled.append(CompiledStep(step.kind, group, args, out_shape, rule.run,
+                                     pool.allocator(xp, out_shape, spec.dtype)))
         placements, shape = after, out_shape
     return CompiledPlan(out_spec, tuple(compiled), xp)
 
 
 release_on_free(pool.clear)  # pooled buffers may hold a freed mesh's pieces' memory
+release_on_free(free_cached_types)  # and the datatypes cached for its layouts go with them
 
 
 def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
@@ -239,4 +243,4 @@ def start_queued(block: bool, upto: CompiledHandle | None = None) -> None:
         _starting = False
 
 
-before_collective(lambda: start_queued(block=True))
+before_collective(partial(start_queued, True))  # (block=True; a partial adds no Python frame)
