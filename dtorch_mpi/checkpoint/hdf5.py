@@ -43,7 +43,7 @@ from .._mpi import library_world
 from ..dtensor import DTensor
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
-from ..spmd import agreed
+from ..spmd import agreed, require_same
 from . import pieces, pytypes, targets, tree, validate
 from .checksum import checksum, digest
 from .reader import STAGING, read_verified
@@ -214,9 +214,9 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
         wholes = {leaf.key: (array, checksum(array, (0,) * array.ndim, array.shape))
                   for leaf in layout.leaves if not isinstance(leaf.value, DTensor) for array in [_complete(leaf)]}
     with agreed(world):
-        _same_everywhere(world, {"paths": path,
-                                 "state_dicts (keys, shapes, dtypes, placements or values differ)":
-                                     repr((sorted(layout.groups.items()), _describe(layout.leaves, wholes)))})
+        _same_everywhere(world, {"paths": ("path", path),
+                                 "state_dicts": ("keys, shapes, dtypes, placements or values",
+                                                 repr((sorted(layout.groups.items()), _describe(layout.leaves, wholes))))})
         if not os.path.isdir(directory):
             raise CheckpointError(f"cannot save to {path}: directory {directory} does not exist")
     token_buf = np.frombuffer(uuid.uuid4().hex.encode(), dtype=np.uint8).copy()
@@ -249,17 +249,11 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
     world.Barrier()
 
 
-def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, str]) -> None:
-    """One collective: raise (on every rank) naming each fact whose text differs between ranks."""
-    import zlib
-
-    digests = np.array([zlib.crc32(text.encode()) for text in facts.values()], dtype=np.int64)
-    both = np.concatenate([digests, -digests])
-    low = np.empty_like(both)
-    world.Allreduce(both, low, op=MPI.MIN)
-    differ = [what for n, what in enumerate(facts) if low[n] != -low[n + len(facts)]]
-    if differ:
-        raise CheckpointError(f"ranks passed different {' and '.join(differ)}; every rank must pass the same")
+def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]]) -> None:
+    """``{argument: (what it holds, text)}``: raise (on every rank) for the first argument whose
+    text differs between ranks, naming each rank's text."""
+    for argument, (what, text) in facts.items():
+        require_same(world, {what: text}, what=f"ranks passed different {argument}", error=CheckpointError)
 
 
 def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
@@ -389,7 +383,7 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     handle = None
     try:
         with agreed(world):
-            _same_everywhere(world, {"paths": path, "staging options": repr(staging)})
+            _same_everywhere(world, {"paths": ("path", path), "staging options": ("staging", repr(staging))})
             if staging not in STAGING:
                 raise CheckpointError(f"load(staging={staging!r}): use one of {', '.join(STAGING)}")
             _check_openable(h5py, path)
