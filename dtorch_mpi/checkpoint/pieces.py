@@ -64,7 +64,7 @@ def check(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     if value.ndim != 2 or value.shape[1] != 2 * ndim + 1 or not value.shape[0]:
         raise CheckpointError(f"{bad} has shape {value.shape}; a {ndim}-d dataset needs (pieces >= 1, {2 * ndim + 1}); "
                               f"the file's metadata is damaged")
-    table = value.astype(np.uint64)
+    table = value.astype(np.uint64, copy=False)
     offsets, sizes = table[:, :ndim], table[:, ndim : 2 * ndim]
     dims = np.array(shape, dtype=np.uint64)
     outside = ((sizes == 0) | (offsets > dims) | (sizes > dims - np.minimum(offsets, dims))).any(axis=1)
@@ -72,7 +72,7 @@ def check(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
         n = int(np.flatnonzero(outside)[0])
         raise CheckpointError(f"{bad}: piece {n} (offset {offsets[n].tolist()}, shape {sizes[n].tolist()}) is empty or "
                               f"outside the dataset's shape {list(shape)}; the file's metadata is damaged")
-    if len(np.unique(table[:, : 2 * ndim], axis=0)) != len(table):
+    if len({region.tobytes() for region in table[:, : 2 * ndim]}) != len(table):
         raise CheckpointError(f"{bad} lists a region twice; the file's metadata is damaged")
     return table
 

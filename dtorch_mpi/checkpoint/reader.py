@@ -64,7 +64,8 @@ def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys:
     """Read ``keys`` from ``entries`` into ``params`` (agreed on every rank)."""
     world = library_world()
     with agreed(world):
-        expect = _plan(world, params, entries, keys)
+        mine = _own_checks(params, entries, keys)
+    expect = _common_checks(world, mine, keys)
     VERIFIED.clear()
     VERIFIED.update((key, "lin64" if expect[key] is None else "xxh3") for key in keys)
     if staging == "all":
@@ -82,19 +83,24 @@ def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys:
             _stream_into(params[key], entries[key].dataset, first[key][0], path, key)
 
 
-def _plan(world: Any, params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, int | None]:
-    """Each dataset's check: the recorded digest of this rank's region (0 when it reads nothing)
-    where every rank's region is exactly one recorded piece, else None (lin64). One Allreduce
-    (MIN of the ranks' "my region is a piece" flags) gives every rank the same choice."""
+def _own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, int | None]:
+    """Each dataset's recorded digest of this rank's region (0 when it reads nothing: nothing to
+    check), or None when the region is not exactly one recorded piece (or there is no table)."""
     mine: dict[str, int | None] = {}
     for key in keys:
-        block = _hyperslab(params[key])
-        if entries[key].pieces is None:
+        block, table = _hyperslab(params[key]), entries[key].pieces
+        if table is None:
             mine[key] = None
         elif block is None or not prod(block[1]):
-            mine[key] = 0  # nothing read, nothing to check
+            mine[key] = 0
         else:
-            mine[key] = pieces.expected(entries[key].pieces, *block)
+            mine[key] = pieces.expected(table, *block)
+    return mine
+
+
+def _common_checks(world: Any, mine: Mapping[str, int | None], keys: list[str]) -> dict[str, int | None]:
+    """The fast check for a dataset only where every rank's region is a recorded piece: one
+    Allreduce (MIN of the ranks' flags) gives every rank the same choice; None means lin64."""
     flags = np.array([mine[key] is not None for key in keys], dtype=np.int8)
     every = np.empty_like(flags)
     wait_request(world.Iallreduce(flags, every, op=MPI.MIN), "the checkpoint load's choice of check (Allreduce)")
