@@ -10,7 +10,8 @@ buffers (as a load that changes nothing on failure must). Target: ratio <= 1.3.
 "load" reads into the layout that saved the file (Shard(0)): every rank's region is one piece
 the save recorded, so it is verified with that piece's xxh3. "load resharded" reads into
 Shard(1) (the raw read then reads the same column blocks): the regions are not pieces, so it is
-verified with lin64. The "verified by" line says which check each case took.
+verified with lin64, as is "load no table" (the same reads as "load", from a copy of the file
+without piece tables, as written before them). The "verified by" line says which check each took.
 
 Beside each time, the peak memory the call allocates (tracemalloc, which sees NumPy buffers;
 largest rank, in a separate untimed call). Then the cost of the per-dataset checksums (the
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-raw", action="store_true", help="skip the raw MPI-IO comparison (needs parallel h5py)")
-    ap.add_argument("--ops", default="save,load,load chunks,load resharded,checksums",
+    ap.add_argument("--ops", default="save,load,load chunks,load resharded,load no table,checksums",
                     help="cases to run (comma-separated; 'checksums': the cost of the checks)")
     args = ap.parse_args()
     if not args.no_raw and not h5py.get_config().mpi:
@@ -76,7 +77,7 @@ def main() -> None:
     say(f"ranks={m}  {args.tensors} tensors, float32, Shard(0)  (median of {args.reps}, slowest rank, interleaved)  "
         f"load average {os.getloadavg()[0]:.2f}")
     say("ratio: of the medians; best: of the fastest repeats (the steadier figure on a busy machine)")
-    say(f"{'size':>6} {'op':<12} {'dtorch s':>9} {'raw s':>8} {'ratio':>6} {'best':>5} {'dtorch peak MiB':>16} "
+    say(f"{'size':>6} {'op':<14} {'dtorch s':>9} {'raw s':>8} {'ratio':>6} {'best':>5} {'dtorch peak MiB':>16} "
         f"{'raw peak MiB':>13}")
     for mb in (int(v) for v in args.mb.split(",")):
         rows = (mb << 20) // 4 // args.tensors // 1024
@@ -125,10 +126,18 @@ def main() -> None:
             "load": (lambda: dt.load(ours_path, target), None if args.no_raw else raw_read),
             "load chunks": (lambda: dt.load(ours_path, target, staging="chunks"), None if args.no_raw else raw_read),
             "load resharded": (lambda: dt.load(ours_path, columns), None if args.no_raw else raw_read_columns),
+            "load no table": (lambda: dt.load(old_path, target), None if args.no_raw else raw_read),
         }
         ops = args.ops.split(",")
         cases = {op: fns for op, fns in cases.items() if op in ops}
         dt.save(state, ours_path)  # the loads need the files even when the saves are not timed
+        old_path = os.path.join(directory, "old.h5")
+        if rank == 0:
+            shutil.copyfile(ours_path, old_path)
+            with h5py.File(old_path, "r+") as f:
+                for k in state:
+                    del f[k.replace(".", "/")].attrs["pieces"]
+        WORLD.Barrier()
         if not args.no_raw:
             raw_write()
         times: dict[tuple[str, int], list[float]] = {}
@@ -140,15 +149,16 @@ def main() -> None:
         for op, (ours, raw) in cases.items():
             t_ours, p_ours = statistics.median(times[(op, 0)]), peak_mib(ours)
             if raw is None:
-                say(f"{mb:>4}MB {op:<12} {t_ours:>9.3f} {'-':>8} {'-':>6} {'-':>5} {p_ours:>16.1f} {'-':>13}")
+                say(f"{mb:>4}MB {op:<14} {t_ours:>9.3f} {'-':>8} {'-':>6} {'-':>5} {p_ours:>16.1f} {'-':>13}")
             else:
                 t_raw, p_raw = statistics.median(times[(op, 1)]), peak_mib(raw)
                 best = min(times[(op, 0)]) / min(times[(op, 1)])
-                say(f"{mb:>4}MB {op:<12} {t_ours:>9.3f} {t_raw:>8.3f} {t_ours / t_raw:>6.2f} {best:>5.2f} {p_ours:>16.1f} "
+                say(f"{mb:>4}MB {op:<14} {t_ours:>9.3f} {t_raw:>8.3f} {t_ours / t_raw:>6.2f} {best:>5.2f} {p_ours:>16.1f} "
                     f"{p_raw:>13.1f}")
         checks = {}
-        for op, tgt in (("load", target), ("load resharded", columns)):
-            dt.load(ours_path, tgt)
+        for op, tgt, file in (("load", target, ours_path), ("load resharded", columns, ours_path),
+                              ("load no table", target, old_path)):
+            dt.load(file, tgt)
             checks[op] = sorted(set(reader.VERIFIED.values()))
         say(f"{mb:>4}MB verified by: " + ", ".join(f"{op}: {'/'.join(kinds)}" for op, kinds in checks.items()))
         share = WORLD.allreduce(sum(v.to_local().nbytes for v in target.values()), op=MPI.MAX) / 2**20
