@@ -225,3 +225,21 @@ def test_files_without_tables_load_with_lin64(mesh1d: dt.DeviceMesh, mesh2d: dt.
             check.equal(tgt[k].to_torch(), fulls[k], f"{k} -> {plc}")
         check.true(set(reader.VERIFIED.values()) == {"lin64"}, f"verified by {reader.VERIFIED}")
     check.done()
+
+
+def test_a_table_over_the_limit_is_not_written(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table over pieces.MAX_TABLE_BYTES (here: under one 40-byte row) is left out: lin64."""
+    from dtorch_mpi.checkpoint import pieces
+
+    monkeypatch.setattr(pieces, "MAX_TABLE_BYTES", 39)
+    path = os.path.join(shared_dir, "limit.h5")
+    full = full_value((SIZE + 1, 3), 4)
+    dt.save({"w": sharded(full, mesh1d, [dt.Shard(0)])}, path)
+    if RANK == 0:
+        with h5py.File(path, "r") as f:
+            assert "pieces" not in f["w"].attrs
+    tgt = dt.zeros(SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    dt.load(path, {"w": tgt})
+    assert list(reader.VERIFIED.items()) == [("w", "lin64")], reader.VERIFIED
+    assert np.array_equal(tgt.to_torch(), full)

@@ -283,7 +283,7 @@ def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab],
     for slab, (total, table) in zip(slabs, sums):
         attrs = datasets[slab.key].attrs
         attrs["checksum"] = np.uint64(total)
-        if table is not None and table.nbytes <= validate.MAX_ATTRIBUTE_BYTES:
+        if table is not None and table.nbytes <= pieces.MAX_TABLE_BYTES:
             attrs[pieces.ATTRIBUTE] = table
 
 

@@ -4,9 +4,9 @@ load reading exactly those pieces verifies at memory speed (the fast path of che
 A dataset may carry the attribute ``pieces``: a uint64 array of shape ``(n, 2 * ndim + 1)``,
 one row per non-empty written piece: its global offset (``ndim`` values), its shape (``ndim``)
 and ``checksum.digest`` of its bytes. ``save`` computes each digest from the piece in memory and
-gathers the rows with the lin64 terms in one Allgather. A table larger than the attribute limit
-(validate.MAX_ATTRIBUTE_BYTES: about 1600 pieces of a 2-d tensor) is not written, and neither is
-an empty one: such datasets load with lin64.
+gathers the rows with the lin64 terms in one Allgather. A table over ``MAX_TABLE_BYTES`` (about
+800 pieces of a 2-d tensor; HDF5 stores an attribute in one object-header message, under 64 KiB)
+is not written, and neither is an empty one: such datasets load with lin64.
 
 A checkpoint is untrusted: ``check`` refuses a table of the wrong type or shape, a piece that is
 empty or reaches outside the dataset, and a region listed twice. A table only chooses which
@@ -25,6 +25,7 @@ from ..errors import CheckpointError
 from .checksum import combine
 
 ATTRIBUTE = "pieces"
+MAX_TABLE_BYTES = 1 << 15
 Piece = tuple[tuple[int, ...], tuple[int, ...], Any]  # (global offset, shape, data) of one written hyperslab
 
 
