@@ -141,9 +141,10 @@ def main() -> None:
         if not args.no_raw:
             raw_write()
         times: dict[tuple[str, int], list[float]] = {}
-        for _ in range(args.reps):
+        for rep in range(args.reps):
             for op, fns in cases.items():
-                for n, fn in enumerate(fns):
+                pairs = list(enumerate(fns))
+                for n, fn in pairs if rep % 2 == 0 else pairs[::-1]:  # alternate who goes first (cache, allocator)
                     if fn is not None:
                         times.setdefault((op, n), []).append(once(fn))
         for op, (ours, raw) in cases.items():
