@@ -7,6 +7,12 @@ parallel-HDF5 stack:
 The raw write also flushes and fsyncs (an atomic save must); the raw read reads into fresh
 buffers (as a load that changes nothing on failure must). Target: ratio <= 1.3.
 
+"load" reads into the layout that saved the file (Shard(0)): every rank's region is one piece
+the save recorded, so it is verified with that piece's xxh3. "load resharded" reads into
+Shard(1) (the raw read then reads the same column blocks): the regions are not pieces, so it is
+verified with lin64, as is "load no table" (the same reads as "load", from a copy of the file
+without piece tables, as written before them). The "verified by" line says which check each took.
+
 Beside each time, the peak memory the call allocates (tracemalloc, which sees NumPy buffers;
 largest rank, in a separate untimed call). Then the cost of the per-dataset checksums (the
 same save/load with the checksum replaced by zero, interleaved). On the pip stack (no MPI in
@@ -29,6 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 import dtorch_mpi as dt
+from dtorch_mpi.checkpoint import hdf5, reader
 
 WORLD = MPI.COMM_WORLD
 
@@ -58,6 +65,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-raw", action="store_true", help="skip the raw MPI-IO comparison (needs parallel h5py)")
+    ap.add_argument("--ops", default="save,load,load chunks,load resharded,load no table,checksums",
+                    help="cases to run (comma-separated; 'checksums': the cost of the checks)")
     args = ap.parse_args()
     if not args.no_raw and not h5py.get_config().mpi:
         raise SystemExit("the raw comparison needs h5py with MPI (make install-phdf5); or pass --no-raw")
@@ -68,16 +77,18 @@ def main() -> None:
     say(f"ranks={m}  {args.tensors} tensors, float32, Shard(0)  (median of {args.reps}, slowest rank, interleaved)  "
         f"load average {os.getloadavg()[0]:.2f}")
     say("ratio: of the medians; best: of the fastest repeats (the steadier figure on a busy machine)")
-    say(f"{'size':>6} {'op':<12} {'dtorch s':>9} {'raw s':>8} {'ratio':>6} {'best':>5} {'dtorch peak MiB':>16} "
+    say(f"{'size':>6} {'op':<14} {'dtorch s':>9} {'raw s':>8} {'ratio':>6} {'best':>5} {'dtorch peak MiB':>16} "
         f"{'raw peak MiB':>13}")
     for mb in (int(v) for v in args.mb.split(",")):
         rows = (mb << 20) // 4 // args.tensors // 1024
         shape = (rows, 1024)
         state = {f"layer{i}.weight": dt.ones(*shape, device_mesh=mesh, placements=[dt.Shard(0)]) for i in range(args.tensors)}
         target = {k: dt.zeros(*shape, device_mesh=mesh, placements=[dt.Shard(0)]) for k in state}
+        columns = {k: dt.zeros(*shape, device_mesh=mesh, placements=[dt.Shard(1)]) for k in state}
         ours_path = os.path.join(directory, "ours.h5")
         raw_path = os.path.join(directory, "raw.h5")
         _, offset = dt.compute_local_shape_and_offset(shape, mesh, [dt.Shard(0)])
+        col_shape, col_offset = dt.compute_local_shape_and_offset(shape, mesh, [dt.Shard(1)])
         pieces = {k: v.to_local() for k, v in state.items()}
 
         def raw_write() -> None:
@@ -102,29 +113,59 @@ def main() -> None:
                         ds.read_direct(fresh[-1], np.s_[offset[0] : offset[0] + piece.shape[0]])
             return fresh
 
+        def raw_read_columns() -> list[np.ndarray]:
+            fresh = []  # independent reads, as dt.load makes (collective two-phase reads of columns are slower here)
+            with h5py.File(raw_path, "r", driver="mpio", comm=WORLD) as f:
+                for k in pieces:
+                    fresh.append(np.empty(col_shape, dtype=np.float32))
+                    f[k.replace(".", "/")].read_direct(fresh[-1], np.s_[:, col_offset[1] : col_offset[1] + col_shape[1]])
+            return fresh
+
         cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]] = {
             "save": (lambda: dt.save(state, ours_path), None if args.no_raw else raw_write),
             "load": (lambda: dt.load(ours_path, target), None if args.no_raw else raw_read),
             "load chunks": (lambda: dt.load(ours_path, target, staging="chunks"), None if args.no_raw else raw_read),
+            "load resharded": (lambda: dt.load(ours_path, columns), None if args.no_raw else raw_read_columns),
+            "load no table": (lambda: dt.load(old_path, target), None if args.no_raw else raw_read),
         }
+        ops = args.ops.split(",")
+        cases = {op: fns for op, fns in cases.items() if op in ops}
+        dt.save(state, ours_path)  # the loads need the files even when the saves are not timed
+        old_path = os.path.join(directory, "old.h5")
+        if rank == 0:
+            shutil.copyfile(ours_path, old_path)
+            with h5py.File(old_path, "r+") as f:
+                for k in state:
+                    del f[k.replace(".", "/")].attrs["pieces"]
+        WORLD.Barrier()
+        if not args.no_raw:
+            raw_write()
         times: dict[tuple[str, int], list[float]] = {}
-        for _ in range(args.reps):
+        for rep in range(args.reps):
             for op, fns in cases.items():
-                for n, fn in enumerate(fns):
+                pairs = list(enumerate(fns))
+                for n, fn in pairs if rep % 2 == 0 else pairs[::-1]:  # alternate who goes first (cache, allocator)
                     if fn is not None:
                         times.setdefault((op, n), []).append(once(fn))
         for op, (ours, raw) in cases.items():
             t_ours, p_ours = statistics.median(times[(op, 0)]), peak_mib(ours)
             if raw is None:
-                say(f"{mb:>4}MB {op:<12} {t_ours:>9.3f} {'-':>8} {'-':>6} {'-':>5} {p_ours:>16.1f} {'-':>13}")
+                say(f"{mb:>4}MB {op:<14} {t_ours:>9.3f} {'-':>8} {'-':>6} {'-':>5} {p_ours:>16.1f} {'-':>13}")
             else:
                 t_raw, p_raw = statistics.median(times[(op, 1)]), peak_mib(raw)
                 best = min(times[(op, 0)]) / min(times[(op, 1)])
-                say(f"{mb:>4}MB {op:<12} {t_ours:>9.3f} {t_raw:>8.3f} {t_ours / t_raw:>6.2f} {best:>5.2f} {p_ours:>16.1f} "
+                say(f"{mb:>4}MB {op:<14} {t_ours:>9.3f} {t_raw:>8.3f} {t_ours / t_raw:>6.2f} {best:>5.2f} {p_ours:>16.1f} "
                     f"{p_raw:>13.1f}")
+        checks = {}
+        for op, tgt, file in (("load", target, ours_path), ("load resharded", columns, ours_path),
+                              ("load no table", target, old_path)):
+            dt.load(file, tgt)
+            checks[op] = sorted(set(reader.VERIFIED.values()))
+        say(f"{mb:>4}MB verified by: " + ", ".join(f"{op}: {'/'.join(kinds)}" for op, kinds in checks.items()))
         share = WORLD.allreduce(sum(v.to_local().nbytes for v in target.values()), op=MPI.MAX) / 2**20
         say(f"{mb:>4}MB (this rank's share of the model: {share:,.1f} MiB)")
-        checksum_cost(mb, state, target, ours_path, args.reps)
+        if "checksums" in ops:
+            checksum_cost(mb, state, target, ours_path, args.reps)
     say(f"load average at the end {os.getloadavg()[0]:.2f}")
     WORLD.Barrier()
     if rank == 0:
@@ -133,17 +174,18 @@ def main() -> None:
 
 
 def checksum_cost(mb: int, state: dict, target: dict, path: str, reps: int) -> None:
-    """save/load with checksums vs the same code with the checksum replaced by 0 (interleaved)."""
-    from dtorch_mpi.checkpoint import hdf5, reader
-
-    real = hdf5.checksum
+    """save/load with checksums vs the same code with both checks (lin64 and xxh3) replaced by 0
+    (interleaved; the load is the same-layout one, so "with" is its xxh3 check)."""
+    real = hdf5.checksum, hdf5.digest
     times: dict[tuple[str, bool], list[float]] = {}
     for _ in range(reps):
         for on in (True, False):
-            hdf5.checksum = reader.checksum = real if on else (lambda *a: 0)  # type: ignore[assignment]
+            for module in (hdf5, reader):
+                module.checksum, module.digest = real if on else (lambda *a: 0, lambda *a: 0)  # type: ignore[assignment]
             times.setdefault(("save", on), []).append(once(lambda: dt.save(state, path)))
             times.setdefault(("load", on), []).append(once(lambda: dt.load(path, target)))
-    hdf5.checksum = reader.checksum = real
+    for module in (hdf5, reader):
+        module.checksum, module.digest = real  # type: ignore[assignment]
     dt.save(state, path)  # leave a checksummed file
     if WORLD.Get_rank() == 0:
         for op in ("save", "load"):

@@ -650,7 +650,7 @@ MALFORMED = {  # kind -> (what the crafted file has, what the error must say)
 def _craft_scalar(kind: str, path: str) -> None:
     with h5py.File(path, "r+") as f:
         def put(name: str, data: np.ndarray, pytype: Any) -> None:
-            attrs = dict(f[name].attrs) if name in f else {}
+            attrs = {k: v for k, v in f[name].attrs.items() if k != "pieces"} if name in f else {}  # lin64 only
             if name in f:
                 del f[name]
             f[name] = data
@@ -696,6 +696,7 @@ def _craft_scalar(kind: str, path: str) -> None:
         with h5py.File(path, "r+") as f:
             _replace(f, "optim/state/0/exp_avg", lambda g, n: g.create_dataset(n, data=np.zeros((1, 3))))
             f["optim/state/0/exp_avg"].attrs["checksum"] = np.uint64(0)
+            del f["optim/state/0/exp_avg"].attrs["pieces"]  # the old table no longer fits the shape
 
 
 @pytest.mark.parametrize("kind", sorted(MALFORMED))

@@ -18,6 +18,13 @@ mod ``2**64``); other damage (zeroed regions, fill values) goes unnoticed with p
 pass that widens L2-sized blocks of words to uint64 in one reused buffer and multiply-adds them
 with ``einsum``: 4.5-6 GB/s on one core, at least as fast as zlib.crc32 and twice adler32 timed in
 the same run (and neither of those can be combined across partitions).
+
+The fast path (pieces.py): a load that reads exactly the pieces a save wrote needs no partition
+invariance, so beside lin64 every dataset records each written piece's ``xxh3_64`` (``digest``:
+the piece's bytes in the file's canonical form, little-endian and C order; ~34 GB/s on one
+core, faster than the read it checks). A load whose every read region is one recorded piece
+verifies each rank's buffer against that digest; any other load (another layout, a file
+without the table) verifies with lin64, which covers every layout and every file written.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from math import prod
 from typing import Any
 
 import numpy as np
+import xxhash
 
 MASK = (1 << 64) - 1
 ROW_SEED = 0x6474_6F72_6368_0001
@@ -73,11 +81,17 @@ def _high_factor(index: int, seed: int) -> int:
     return out
 
 
-def _word_matrix(block: np.ndarray) -> tuple[np.ndarray, int]:
-    """The block as a (rows, words) matrix of little-endian words, and words per element."""
+def _little_endian(block: np.ndarray) -> np.ndarray:
+    """The block C-contiguous with little-endian elements (a copy only when it is not already)."""
     a = np.ascontiguousarray(block)
     if a.dtype.byteorder == ">":
         a = a.astype(a.dtype.newbyteorder("<"))
+    return a
+
+
+def _word_matrix(block: np.ndarray) -> tuple[np.ndarray, int]:
+    """The block as a (rows, words) matrix of little-endian words, and words per element."""
+    a = _little_endian(block)
     width = a.dtype.itemsize
     word = _WORD.get(width, np.dtype("<u4"))
     last = a.shape[-1] if a.ndim else 1
@@ -126,6 +140,16 @@ def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int
             total += high * int(np.einsum("i,i->", _row_weights(r0, len(sums), block, offset, global_shape), sums))
         c += width
     return total & MASK
+
+
+def canonical(block: np.ndarray) -> memoryview:
+    """The block's bytes as the file stores them: little-endian, C order (a view where it can be)."""
+    return memoryview(_little_endian(block).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def digest(block: np.ndarray) -> int:
+    """``xxh3_64`` of the block in canonical form (one recorded piece's digest)."""
+    return int(xxhash.xxh3_64_intdigest(canonical(block)))
 
 
 def combine(terms: np.ndarray) -> int:

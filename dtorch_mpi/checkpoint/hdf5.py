@@ -3,8 +3,9 @@
 Layout: one dataset per tensor with its global shape and dtype; dotted names are groups
 (``layer.weight`` -> ``/layer/weight``). File attributes ``format = "dtorch_mpi"`` and
 ``version``; dataset attributes ``dtype`` (the exact dtype string), ``checksum`` (checksum.py,
-computed collectively from the written pieces), ``placements`` and ``mesh_shape`` (information
-only: any target layout can load it). No pickle anywhere; plain h5py reads it.
+computed collectively from the written pieces), ``pieces`` (each written piece's region and
+xxh3, pieces.py: a load of the same layout verifies with it), ``placements`` and ``mesh_shape``
+(information only: any target layout can load it). No pickle anywhere; plain h5py reads it.
 
 Loads treat the file as untrusted (validate.py): links, external storage, virtual datasets,
 filters and oversized chunks are refused before a byte is read, and every dataset is verified
@@ -42,9 +43,9 @@ from .._mpi import library_world
 from ..dtensor import DTensor
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
-from ..spmd import agreed
-from . import pytypes, targets, tree, validate
-from .checksum import checksum, gathered_sums
+from ..spmd import agreed, require_same
+from . import pieces, pytypes, targets, tree, validate
+from .checksum import checksum, digest
 from .reader import STAGING, read_verified
 from .validate import FORMAT, VERSION
 
@@ -111,6 +112,11 @@ class _Slab:
     @property
     def nbytes(self) -> int:
         return prod(self.shape) * self.dtype.itemsize
+
+    def record(self) -> np.ndarray:
+        """This rank's lin64 term and piece-table row (the piece's xxh3 from the bytes in memory)."""
+        piece = self.piece if self.piece is not None and prod(self.piece[1]) else None
+        return pieces.record(self.term, len(self.shape), piece, digest(piece[2]) if piece is not None else 0)
 
 
 def _complete(leaf: tree.Leaf) -> np.ndarray:
@@ -208,9 +214,9 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
         wholes = {leaf.key: (array, checksum(array, (0,) * array.ndim, array.shape))
                   for leaf in layout.leaves if not isinstance(leaf.value, DTensor) for array in [_complete(leaf)]}
     with agreed(world):
-        _same_everywhere(world, {"paths": path,
-                                 "state_dicts (keys, shapes, dtypes, placements or values differ)":
-                                     repr((sorted(layout.groups.items()), _describe(layout.leaves, wholes)))})
+        _same_everywhere(world, {"paths": ("path", path),
+                                 "state_dicts": ("keys, shapes, dtypes, placements or values",
+                                                 repr((sorted(layout.groups.items()), _describe(layout.leaves, wholes))))})
         if not os.path.isdir(directory):
             raise CheckpointError(f"cannot save to {path}: directory {directory} does not exist")
     token_buf = np.frombuffer(uuid.uuid4().hex.encode(), dtype=np.uint8).copy()
@@ -243,17 +249,11 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
     world.Barrier()
 
 
-def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, str]) -> None:
-    """One collective: raise (on every rank) naming each fact whose text differs between ranks."""
-    import zlib
-
-    digests = np.array([zlib.crc32(text.encode()) for text in facts.values()], dtype=np.int64)
-    both = np.concatenate([digests, -digests])
-    low = np.empty_like(both)
-    world.Allreduce(both, low, op=MPI.MIN)
-    differ = [what for n, what in enumerate(facts) if low[n] != -low[n + len(facts)]]
-    if differ:
-        raise CheckpointError(f"ranks passed different {' and '.join(differ)}; every rank must pass the same")
+def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]]) -> None:
+    """``{argument: (what it holds, text)}``: raise (on every rank) for the first argument whose
+    text differs between ranks, naming each rank's text."""
+    for argument, (what, text) in facts.items():
+        require_same(world, {what: text}, what=f"ranks passed different {argument}", error=CheckpointError)
 
 
 def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
@@ -272,10 +272,19 @@ def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> d
     return out
 
 
-def _set_checksums(world: MPI.Intracomm, datasets: Mapping[str, Any], slabs: list[_Slab]) -> None:
-    """Gather every rank's terms and store each dataset's checksum (the same value on every rank)."""
-    for slab, total in zip(slabs, gathered_sums(world, [slab.term for slab in slabs])):
-        datasets[slab.key].attrs["checksum"] = np.uint64(total)
+def _gathered_checksums(world: MPI.Intracomm, slabs: list[_Slab]) -> list[tuple[int, np.ndarray | None]]:
+    """Every dataset's lin64 checksum and piece table (one Allgather; the same on every rank)."""
+    return pieces.gather(world, [slab.record() for slab in slabs])
+
+
+def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab],
+                   sums: list[tuple[int, np.ndarray | None]]) -> None:
+    """Store each dataset's checksum and its piece table (unless empty or over the attribute limit)."""
+    for slab, (total, table) in zip(slabs, sums):
+        attrs = datasets[slab.key].attrs
+        attrs["checksum"] = np.uint64(total)
+        if table is not None and table.nbytes <= pieces.MAX_TABLE_BYTES:
+            attrs[pieces.ATTRIBUTE] = table
 
 
 def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab]) -> None:
@@ -288,7 +297,7 @@ def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[st
             with agreed(world):  # an I/O error the write reports on one rank stops every rank
                 _write_slab(h5py, datasets[slab.key], slab.piece, collective=True)
             progress.add(slab.nbytes, "saving")
-        _set_checksums(world, datasets, slabs)
+        _set_checksums(datasets, slabs, _gathered_checksums(world, slabs))
     # no H5Fflush here: with MPI-IO it is an MPI_File_sync, and the file is fsynced after close
     progress.close()
 
@@ -318,12 +327,11 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
     with agreed(world):
         if error is not None:
             raise error
-    totals = gathered_sums(world, [slab.term for slab in slabs])
+    sums = _gathered_checksums(world, slabs)
     with agreed(world):
         if rank == 0:
             with h5py.File(tmp, "r+") as f:
-                for slab, total in zip(slabs, totals):
-                    f[_group_path(slab.key)].attrs["checksum"] = np.uint64(total)
+                _set_checksums({slab.key: f[_group_path(slab.key)] for slab in slabs}, slabs, sums)
 
 
 def _fsync_file(path: str) -> None:
@@ -375,7 +383,7 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     handle = None
     try:
         with agreed(world):
-            _same_everywhere(world, {"paths": path, "staging options": repr(staging)})
+            _same_everywhere(world, {"paths": ("path", path), "staging options": ("staging", repr(staging))})
             if staging not in STAGING:
                 raise CheckpointError(f"load(staging={staging!r}): use one of {', '.join(STAGING)}")
             _check_openable(h5py, path)

@@ -1,10 +1,22 @@
 """Reading validated datasets into parameters: verified against the stored checksums, and only
 then installed, so a failed load changes nothing.
 
-Every rank reads its own hyperslab in the file's dtype and adds its checksum term
-(checksum.py); the terms of all ranks are gathered once, and each dataset's sum must equal
-its stored checksum times the number of ranks that read each element (replicas all read and
-all verify). Two staging modes bound the memory a load needs on top of the model:
+Every rank reads its own hyperslab in the file's dtype and checks it in one of two ways, the
+same for a dataset on every rank:
+
+- ``"xxh3"`` (fast path): when every rank's region is exactly one piece of the dataset's piece
+  table (pieces.py; e.g. a load into the layout that saved it), each rank compares the
+  ``xxh3_64`` of what it read with that piece's digest. Each rank decides from the table and its
+  own region; one small Allreduce makes the choice common (a rank's verdict alone would not do:
+  lin64 needs every rank's term).
+- ``"lin64"`` otherwise: each rank adds its checksum term (checksum.py), and each dataset's sum
+  must equal its stored checksum times the number of ranks that read each element (replicas
+  all read and all verify).
+
+Either way the verdicts of all ranks are gathered once (a mismatch is one rank's term of 1 on
+the fast path), and a mismatch raises the same error on every rank before anything is
+installed. ``VERIFIED`` records which way each dataset of the latest load went. Two staging
+modes bound the memory a load needs on top of the model:
 
 - ``"all"`` (default): every piece is read into a new buffer and verified; then each buffer is
   loaded in place (``_commit``: swapped in, no copy, where nothing else references the old
@@ -12,7 +24,7 @@ all verify). Two staging modes bound the memory a load needs on top of the model
   copy of its share of the model, until the old arrays are released).
 - ``"chunks"``: a first pass reads each piece in chunks of at most ``CHUNK_BYTES`` (or one
   slice along the piece's first dim, if bigger) and only hashes them; after verification a second
-  pass reads each chunk again, checks that it hashes as in the first pass, and copies it in.
+  pass reads each chunk again, checks that its xxh3 is the first pass's, and copies it in.
   Peak extra memory: one chunk (never more than one tensor's piece). It reads the file twice;
   if the file changes between the passes the load raises with the target partly loaded.
 """
@@ -25,40 +37,74 @@ from math import prod
 from typing import Any
 
 import numpy as np
+import xxhash
+from mpi4py import MPI
 
 from .._mpi import library_world
+from ..comm.deadline import wait_request
 from ..dtypes import identity_value
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate
 from ..redistribute import array_namespace
 from ..spmd import agreed
-from .checksum import MASK, checksum, gathered_sums
+from . import pieces
+from .checksum import MASK, canonical, checksum, digest, gathered_sums
 from .validate import Entry
 
 STAGING = ("all", "chunks")
 CHUNK_BYTES = 16 << 20
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, shape) of one hyperslab read
+VERIFIED: dict[str, str] = {}
+"""Dataset key -> ``"xxh3"`` or ``"lin64"``: how each dataset of this rank's latest load was verified."""
 
 
 def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str], path: str,
                   staging: str) -> None:
     """Read ``keys`` from ``entries`` into ``params`` (agreed on every rank)."""
     world = library_world()
+    with agreed(world):
+        mine = _own_checks(params, entries, keys)
+    expect = _common_checks(world, mine, keys)
+    VERIFIED.clear()
+    VERIFIED.update((key, "lin64" if expect[key] is None else "xxh3") for key in keys)
     if staging == "all":
         with agreed(world):
-            staged = {key: _read_all(params[key], entries[key].dataset) for key in keys}
-        _verify(world, keys, [staged[k][1] for k in keys], params, entries, path)
+            staged = {key: _read_all(params[key], entries[key].dataset, expect[key]) for key in keys}
+        _verify(world, keys, [staged[k][1] for k in keys], params, entries, expect, path)
         for key in keys:
             _commit(params[key], staged.pop(key)[0])
         return
     with agreed(world):
-        first = {key: [checksum(raw, off, params[key].shape) for off, raw in _chunks(params[key], entries[key].dataset)]
-                 for key in keys}
-    _verify(world, keys, [sum(first[k]) & MASK for k in keys], params, entries, path)
+        first = {key: _first_pass(params[key], entries[key].dataset, expect[key]) for key in keys}
+    _verify(world, keys, [first[k][1] for k in keys], params, entries, expect, path)
     with agreed(world):
         for key in keys:
-            _stream_into(params[key], entries[key].dataset, first[key], path, key)
+            _stream_into(params[key], entries[key].dataset, first[key][0], path, key)
+
+
+def _own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, int | None]:
+    """Each dataset's recorded digest of this rank's region (0 when it reads nothing: nothing to
+    check), or None when the region is not exactly one recorded piece (or there is no table)."""
+    mine: dict[str, int | None] = {}
+    for key in keys:
+        block, table = _hyperslab(params[key]), entries[key].pieces
+        if table is None:
+            mine[key] = None
+        elif block is None or not prod(block[1]):
+            mine[key] = 0
+        else:
+            mine[key] = pieces.expected(table, *block)
+    return mine
+
+
+def _common_checks(world: Any, mine: Mapping[str, int | None], keys: list[str]) -> dict[str, int | None]:
+    """The fast check for a dataset only where every rank's region is a recorded piece: one
+    Allreduce (MIN of the ranks' flags) gives every rank the same choice; None means lin64."""
+    flags = np.array([mine[key] is not None for key in keys], dtype=np.int8)
+    every = np.empty_like(flags)
+    wait_request(world.Iallreduce(flags, every, op=MPI.MIN), "the checkpoint load's choice of check (Allreduce)")
+    return {key: mine[key] if every[n] else None for n, key in enumerate(keys)}
 
 
 def _hyperslab(param: Any) -> Block | None:
@@ -104,13 +150,21 @@ def _filler(param: Any) -> np.ndarray | None:
     return xp.full(shape, identity_value(param.dtype, op), dtype=param.dtype)
 
 
-def _read_all(param: Any, ds: Any) -> tuple[Any, int]:
-    """This rank's whole piece (in the parameter's dtype and array type) and its checksum term."""
+def _term(raw: np.ndarray, offset: tuple[int, ...], shape: tuple[int, ...], expected: int | None) -> int:
+    """What this rank contributes to the verdict on a block it read: its lin64 term (``expected``
+    None), or 1 if its xxh3 is not the recorded one (0 for an empty block: nothing to check)."""
+    if expected is None:
+        return checksum(raw, offset, shape)
+    return int(raw.size > 0 and digest(raw) != expected)
+
+
+def _read_all(param: Any, ds: Any, expected: int | None) -> tuple[Any, int]:
+    """This rank's whole piece (in the parameter's dtype and array type) and its verdict term."""
     block = _hyperslab(param)
     if block is None:
         return _filler(param), 0
     raw = _read(ds, *block)
-    term = checksum(raw, block[0], param.shape)
+    term = _term(raw, block[0], param.shape, expected)
     xp = array_namespace(param.device_mesh.device_type)
     return xp.asarray(raw.astype(param.dtype, copy=False)), term
 
@@ -130,11 +184,28 @@ def _chunks(param: Any, ds: Any) -> Iterator[tuple[tuple[int, ...], np.ndarray]]
         yield sub_offset, _read(ds, sub_offset, (min(step, shape[0] - start), *shape[1:]))
 
 
+def _first_pass(param: Any, ds: Any, expected: int | None) -> tuple[list[int], int]:
+    """``"chunks"``, first pass: each chunk's xxh3 (for the second pass) and this rank's verdict
+    term (lin64 terms summed, or the xxh3 of all chunks in turn against the recorded digest)."""
+    marks: list[int] = []
+    term, whole = 0, xxhash.xxh3_64()
+    for off, raw in _chunks(param, ds):
+        marks.append(digest(raw))
+        if expected is None:
+            term += checksum(raw, off, param.shape)
+        else:
+            whole.update(canonical(raw))
+    if expected is not None and marks:
+        term = int(whole.intdigest() != expected)
+    return marks, term & MASK
+
+
 def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, Any],
-            entries: Mapping[str, Entry], path: str) -> None:
-    """Gather every rank's terms; the same verdict (and error) on every rank."""
+            entries: Mapping[str, Entry], expect: Mapping[str, int | None], path: str) -> None:
+    """Gather every rank's terms; the same verdict (and error) on every rank (xxh3: no rank saw a
+    mismatch; lin64: the terms add up to the stored checksum once per reader)."""
     bad = [key for key, total in zip(keys, gathered_sums(world, terms))
-           if total != entries[key].checksum * readers_per_element(params[key]) & MASK]
+           if total != (0 if expect[key] is not None else entries[key].checksum * readers_per_element(params[key]) & MASK)]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in dataset{'s' if len(bad) > 1 else ''} "
                               f"{', '.join('/' + k.replace('.', '/') for k in bad)}: the data is damaged "
@@ -142,12 +213,14 @@ def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, 
 
 
 def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
-    """A whole dataset (a complete array or a scalar), verified against its checksum on this rank
-    (every rank reads all of it, so no gathering is needed)."""
+    """A whole dataset (a complete array or a scalar), verified on this rank (every rank reads all
+    of it, so no gathering is needed): by its xxh3 when it was written as one piece, else lin64."""
     ds = entry.dataset
     shape = tuple(ds.shape)
-    raw = _read(ds, (0,) * len(shape), shape)
-    if checksum(raw, (0,) * len(shape), shape) != entry.checksum:
+    origin = (0,) * len(shape)
+    raw = _read(ds, origin, shape)
+    expected = pieces.expected(entry.pieces, origin, shape)
+    if _term(raw, origin, shape, expected) != (entry.checksum if expected is None else 0):
         raise CheckpointError(f"{path}: checksum mismatch in dataset /{key.replace('.', '/')}: the data is damaged "
                               f"(or was never fully written); nothing was loaded")
     return raw
@@ -199,7 +272,7 @@ def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> 
     direct = local.shape == block[1] and getattr(local.flags, "writeable", True)
     target = local if direct else xp.empty(block[1], dtype=param.dtype)
     for n, (off, raw) in enumerate(_chunks(param, ds)):
-        if checksum(raw, off, param.shape) != first[n]:
+        if digest(raw) != first[n]:
             raise CheckpointError(f"{path}: dataset /{key.replace('.', '/')} changed while loading "
                                   f"(staging='chunks' reads twice); the target is partly loaded")
         where = tuple(slice(o - b, o - b + s) for o, b, s in zip(off, block[0], raw.shape))

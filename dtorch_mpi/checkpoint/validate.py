@@ -12,7 +12,8 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 - the attributes this module reads are bounded (``MAX_ATTRIBUTE_BYTES``) and well typed:
   file ``format`` (the string ``dtorch_mpi``) and ``version`` (the integer ``VERSION``);
   dataset ``dtype`` (the exact dtype string, equal to the stored type) and ``checksum``
-  (a uint64, see checksum.py); a ``pytype`` attribute (Python scalars and containers,
+  (a uint64, see checksum.py); an optional ``pieces`` table (pieces.py: a uint64 array whose
+  pieces lie inside the dataset); a ``pytype`` attribute (Python scalars and containers,
   pytypes.py) must name a known type whose storage the dataset has.
 """
 
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError
-from . import pytypes
+from . import pieces, pytypes
 
 FORMAT = "dtorch_mpi"
 VERSION = 2  # 2: per-dataset checksum and dtype attributes (version 1 files are refused)
@@ -35,10 +36,11 @@ MAX_ATTRIBUTE_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class Entry:
-    """One validated dataset: its h5py object and stored checksum."""
+    """One validated dataset: its h5py object, stored checksum and piece table (None: none stored)."""
 
     dataset: Any
     checksum: int
+    pieces: np.ndarray | None = None
 
 
 def check_header(f: Any, path: str) -> None:
@@ -98,7 +100,7 @@ def scan(f: Any, path: str) -> Listing:
                 found.groups[key] = _group_type(obj, path, where)
                 walk(obj, where)
             elif isinstance(obj, h5py.Dataset):
-                entry = Entry(obj, _check_dataset(obj, where, path))
+                entry = Entry(obj, _check_dataset(obj, where, path), _piece_table(obj, where, path))
                 if pytypes.ATTRIBUTE in obj.attrs:
                     kind = _attribute(obj, pytypes.ATTRIBUTE, path, where)
                     found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
@@ -161,8 +163,17 @@ def _check_dataset(ds: Any, where: str, path: str) -> int:
     return int(checksum)
 
 
-def _attribute(obj: Any, name: str, path: str, where: str) -> Any:
-    """Read one attribute after bounding its size; a missing one is an error."""
+def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
+    """The dataset's validated piece table, or None when it has none (older files: lin64 only)."""
+    if pieces.ATTRIBUTE not in ds.attrs:
+        return None
+    value = _attribute(ds, pieces.ATTRIBUTE, path, where, scalar=False)
+    return pieces.check(value, tuple(ds.shape), f"{path}: dataset {where}")
+
+
+def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True) -> Any:
+    """Read one attribute after bounding its size; a missing one is an error (so is an array,
+    unless ``scalar`` is False)."""
     if name not in obj.attrs:
         raise CheckpointError(f"{path}: {where} lacks the attribute {name!r}")
     attr = obj.attrs.get_id(name)
@@ -173,7 +184,7 @@ def _attribute(obj: Any, name: str, path: str, where: str) -> Any:
         value = obj.attrs[name]
     except (OSError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} cannot be read ({exc})") from exc
-    if isinstance(value, np.ndarray):
+    if scalar and isinstance(value, np.ndarray):
         raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {value.shape}; "
                               f"expected a scalar")
     return value

@@ -1,0 +1,87 @@
+"""Piece tables: the hyperslabs a save wrote, each with the ``xxh3_64`` of its bytes, so that a
+load reading exactly those pieces verifies at memory speed (the fast path of checksum.py).
+
+A dataset may carry the attribute ``pieces``: a uint64 array of shape ``(n, 2 * ndim + 1)``,
+one row per non-empty written piece: its global offset (``ndim`` values), its shape (``ndim``)
+and ``checksum.digest`` of its bytes. ``save`` computes each digest from the piece in memory and
+gathers the rows with the lin64 terms in one Allgather. A table over ``MAX_TABLE_BYTES`` (about
+800 pieces of a 2-d tensor; HDF5 stores an attribute in one object-header message, under 64 KiB)
+is not written, and neither is an empty one: such datasets load with lin64.
+
+A checkpoint is untrusted: ``check`` refuses a table of the wrong type or shape, a piece that is
+empty or reaches outside the dataset, and a region listed twice. A table only chooses which
+check runs: a region read that is not exactly one listed piece is verified with lin64.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ..comm.deadline import wait_request
+from ..errors import CheckpointError
+from .checksum import combine
+
+ATTRIBUTE = "pieces"
+MAX_TABLE_BYTES = 1 << 15
+Piece = tuple[tuple[int, ...], tuple[int, ...], Any]  # (global offset, shape, data) of one written hyperslab
+
+
+def record(term: int, ndim: int, piece: Piece | None, digest: int) -> np.ndarray:
+    """This rank's fields for one dataset: ``[lin64 term, written, *offset, *shape, digest]``
+    (``written`` is 0, and the rest 0, when this rank wrote no non-empty ``piece``)."""
+    row = np.zeros(3 + 2 * ndim, dtype=np.uint64)
+    row[0] = term
+    if piece is not None:
+        row[1 : 2 + 2 * ndim] = [1, *piece[0], *piece[1]]
+        row[-1] = digest
+    return row
+
+
+def gather(world: Any, records: Sequence[np.ndarray]) -> list[tuple[int, np.ndarray | None]]:
+    """Every rank's records in one Allgather: each dataset's lin64 checksum (the terms combined)
+    and its piece table (None when no rank wrote a non-empty piece); the same on every rank."""
+    mine = np.concatenate([np.zeros(0, np.uint64), *records])
+    every = np.empty((world.Get_size(), mine.size), dtype=np.uint64)
+    wait_request(world.Iallgather(mine, every), "the checkpoint's checksum exchange (Allgather)")
+    out, start = [], 0
+    for rec in records:
+        block = every[:, start : start + rec.size]
+        start += rec.size
+        rows = block[block[:, 1] == 1, 2:]
+        out.append((combine(block[:, 0]), np.ascontiguousarray(rows) if len(rows) else None))
+    return out
+
+
+def check(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
+    """A stored table, validated against the dataset's ``shape`` (``what`` names the dataset)."""
+    ndim = len(shape)
+    bad = f"{what}: attribute {ATTRIBUTE!r} (the piece table)"
+    if not isinstance(value, np.ndarray) or value.dtype.kind != "u" or value.dtype.itemsize != 8:
+        kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
+        raise CheckpointError(f"{bad} must be a uint64 array, got {kind}; the file's metadata is damaged")
+    if value.ndim != 2 or value.shape[1] != 2 * ndim + 1 or not value.shape[0]:
+        raise CheckpointError(f"{bad} has shape {value.shape}; a {ndim}-d dataset needs (pieces >= 1, {2 * ndim + 1}); "
+                              f"the file's metadata is damaged")
+    table = value.astype(np.uint64, copy=False)
+    offsets, sizes = table[:, :ndim], table[:, ndim : 2 * ndim]
+    dims = np.array(shape, dtype=np.uint64)
+    outside = ((sizes == 0) | (offsets > dims) | (sizes > dims - np.minimum(offsets, dims))).any(axis=1)
+    if outside.any():
+        n = int(np.flatnonzero(outside)[0])
+        raise CheckpointError(f"{bad}: piece {n} (offset {offsets[n].tolist()}, shape {sizes[n].tolist()}) is empty or "
+                              f"outside the dataset's shape {list(shape)}; the file's metadata is damaged")
+    if len({region.tobytes() for region in table[:, : 2 * ndim]}) != len(table):
+        raise CheckpointError(f"{bad} lists a region twice; the file's metadata is damaged")
+    return table
+
+
+def expected(table: np.ndarray | None, offset: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
+    """The recorded digest of the piece exactly at ``offset`` with ``shape``, or None (no such piece)."""
+    if table is None:
+        return None
+    region = np.array([*offset, *shape], dtype=np.uint64)
+    hit = np.flatnonzero((table[:, : region.size] == region).all(axis=1))
+    return int(table[hit[0], -1]) if hit.size else None

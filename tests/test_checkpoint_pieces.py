@@ -1,0 +1,245 @@
+"""The checkpoint's fast check (pieces.py): a load whose every read region is one piece the save
+wrote verifies with that piece's xxh3, any other load with lin64; both load NumPy-identical
+values, both catch a flipped byte with nothing changed, and a damaged or forged piece table is
+refused by name or falls back to lin64, never passing damaged data. Runs on both HDF5 stacks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import h5py
+import numpy as np
+import pytest
+import xxhash
+from conftest import RANK, SIZE, Checker
+from mpi4py import MPI
+from test_checkpoint import _patch_bytes, full_value
+from test_redistribute import make_pieces
+
+import dtorch_mpi as dt
+from dtorch_mpi.checkpoint import reader
+
+WORLD = MPI.COMM_WORLD
+LAYOUTS_1D: list[list[dt.Placement]] = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
+LAYOUTS_2D: list[list[dt.Placement]] = [[dt.Shard(0), dt.Shard(1)], [dt.Replicate(), dt.Shard(0)],
+                                        [dt.Shard(1), dt.Replicate()], [dt.Shard(0), dt.Shard(0)]]
+STAGINGS = ["all", "chunks"]
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[str]:
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-pieces-") if RANK == 0 else None, root=0)
+    yield path
+    WORLD.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def region(t: dt.DTensor, writer: bool) -> tuple[Any, ...] | None:
+    """This rank's non-empty region of ``t`` (a writer: only the first replica), else None."""
+    coord = t.device_mesh.get_coordinate()
+    if coord is None or (writer and any(isinstance(p, dt.Replicate) and coord[k] for k, p in enumerate(t.placements))):
+        return None
+    shape, offset = dt.compute_local_shape_and_offset(t.shape, t.device_mesh, t.placements)
+    return (tuple(offset), tuple(shape)) if all(shape) else None
+
+
+def expected_kind(saved: dt.DTensor, target: dt.DTensor) -> str:
+    """The rule, from every rank's regions: xxh3 when each non-empty region read is one written."""
+    written = {r for r in WORLD.allgather(region(saved, writer=True)) if r is not None}
+    read = {r for r in WORLD.allgather(region(target, writer=False)) if r is not None}
+    return "xxh3" if written and read <= written else "lin64"
+
+
+def sharded(full: np.ndarray, mesh: dt.DeviceMesh, plc: list[dt.Placement]) -> dt.DTensor:
+    return dt.DTensor.from_local(make_pieces(full, mesh, plc), mesh, plc, shape=full.shape)
+
+
+@pytest.mark.parametrize("staging", STAGINGS)
+def test_same_layout_takes_xxh3_and_any_other_lin64(staging: str, mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                                     shared_dir: str, check: Checker) -> None:
+    """Every saved layout loaded into every layout of the same mesh: values equal NumPy's, and
+    the check each dataset took is the rule's (same layout, non-empty: xxh3)."""
+    path = os.path.join(shared_dir, "ck.h5")
+    for mesh, layouts in ((mesh1d, LAYOUTS_1D), (mesh2d, LAYOUTS_2D)):
+        for shape in ((0, 3), (1, 4), (SIZE + 1, 5), (2 * SIZE + 1, 3), (7, 2 * SIZE - 1)):
+            fulls = {f"t{i}": full_value(shape, i) for i in range(len(layouts))}
+            saved = {k: sharded(fulls[k], mesh, plc) for k, plc in zip(fulls, layouts)}
+            dt.save(saved, path)
+            for plc in layouts:
+                tgt = {k: dt.zeros(*shape, dtype=np.float64, device_mesh=mesh, placements=plc) for k in fulls}
+                dt.load(path, tgt, staging=staging)
+                for k, v in tgt.items():
+                    what = f"{shape} {list(saved[k].placements)} -> {plc}"
+                    check.equal(v.to_torch(), fulls[k], what)
+                    want = expected_kind(saved[k], v)
+                    check.true(reader.VERIFIED[k] == want, f"{what}: verified by {reader.VERIFIED[k]}, expected {want}")
+                    if list(saved[k].placements) == plc and all(shape):
+                        check.true(want == "xxh3", f"{what}: the same layout takes the fast check")
+    check.done()
+
+
+def test_replicate_target_of_a_one_piece_save_is_exact(mesh1d: dt.DeviceMesh, shared_dir: str, check: Checker) -> None:
+    """A dataset written as one piece (a Replicate tensor) read whole by every rank: xxh3."""
+    path = os.path.join(shared_dir, "rep.h5")
+    full = full_value((5, 3), 3)
+    dt.save({"w": sharded(full, mesh1d, [dt.Replicate()])}, path)
+    tgt = {"w": dt.zeros(5, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()])}
+    dt.load(path, tgt)
+    check.equal(tgt["w"].to_torch(), full, "Replicate -> Replicate")
+    check.true(reader.VERIFIED == {"w": "xxh3"}, f"verified by {reader.VERIFIED}")
+    check.done()
+
+
+def _flip(path: str, name: str, at: int) -> None:
+    _patch_bytes(path, name, lambda b: b.__setitem__(at, b[at] ^ 0x40))
+
+
+@pytest.mark.parametrize("staging", STAGINGS)
+@pytest.mark.parametrize("target", ["same", "other"])
+def test_a_flipped_byte_fails_on_either_check_and_changes_nothing(target: str, staging: str, mesh1d: dt.DeviceMesh,
+                                                                   shared_dir: str) -> None:
+    shape = (2 * SIZE + 1, 3)
+    path = os.path.join(shared_dir, "flip.h5")
+    dt.save({"w": sharded(full_value(shape, 0), mesh1d, [dt.Shard(0)])}, path)
+    if RANK == 0:
+        _flip(path, "w", 8 * shape[1] * (shape[0] - 1) + 5)  # in the last rank's piece
+    WORLD.Barrier()
+    plc = [dt.Shard(0)] if target == "same" else [dt.Shard(1)]
+    tgt = dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=plc)
+    kept = tgt.to_local()
+    with pytest.raises(dt.CheckpointError, match="checksum mismatch in dataset /w"):
+        dt.load(path, {"w": tgt}, staging=staging)
+    assert tgt.to_local() is kept and not kept.any(), "a failed load changed the target"
+    want = "xxh3" if target == "same" or SIZE == 1 else "lin64"
+    assert list(reader.VERIFIED.items()) == [("w", want)], reader.VERIFIED
+
+
+def _tables(path: str, edit: Any) -> None:
+    """Rank 0 rewrites dataset /w with its piece table replaced by ``edit(table, dataset)`` (None:
+    no table); the dataset is recreated so that its header takes an attribute over 64 KiB."""
+    try:
+        if RANK == 0:
+            with h5py.File(path, "r+", libver="latest") as f:
+                attrs, data = dict(f["w"].attrs), f["w"][()]
+                new = edit(np.array(attrs.pop("pieces")), f["w"])
+                del f["w"]
+                f["w"] = data
+                f["w"].attrs.update(attrs)
+                if new is not None:
+                    f["w"].attrs["pieces"] = new
+    finally:
+        WORLD.Barrier()
+
+
+def _shifted(t: np.ndarray, ds: Any) -> np.ndarray:
+    t = t.copy()
+    t[0, 0] = ds.shape[0]  # offset at the end, shape >= 1: outside
+    return t
+
+
+FORGED = {  # kind -> (edit of the table, the error it must raise, or None: loads with lin64)
+    "float_table": (lambda t, ds: t.astype(np.float64), "'pieces' .the piece table. must be a uint64 array, got float64"),
+    "scalar_table": (lambda t, ds: np.uint64(5), "'pieces' .the piece table. must be a uint64 array, got uint64"),
+    "int8_table": (lambda t, ds: t.astype(np.int8), "must be a uint64 array, got int8"),
+    "wrong_columns": (lambda t, ds: t[:, 1:], r"has shape \(\d+, 4\); a 2-d dataset needs \(pieces >= 1, 5\)"),
+    "one_d_table": (lambda t, ds: t.ravel(), r"has shape \(\d+,\); a 2-d dataset needs"),
+    "offset_out_of_range": (_shifted, r"piece 0 \(offset \[\d+, 0\], shape \[\d+, 3\]\) is empty or outside"),
+    "huge_offset": (lambda t, ds: np.vstack([t, np.array([[2**64 - 1, 0, 2, 3, 0]], np.uint64)]), "is empty or outside"),
+    "empty_piece": (lambda t, ds: np.vstack([t, np.array([[0, 0, 0, 3, 0]], np.uint64)]), "is empty or outside"),
+    "region_twice": (lambda t, ds: np.vstack([t, t[:1]]), "lists a region twice"),
+    "too_many_rows": (lambda t, ds: np.zeros((2000, 5), np.uint64),
+                      r"attribute 'pieces' of /w holds 80000 bytes \(limit 65536\)"),
+    "other_digest": (lambda t, ds: np.column_stack([t[:, :-1], t[:, -1] ^ np.uint64(1)]),
+                     "checksum mismatch in dataset /w"),
+    "missing": (lambda t, ds: None, None),
+    "other_split": (lambda t, ds: np.array([[0, 0, 1, 3, 0]], np.uint64) if ds.shape[0] > 1 else None, None),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FORGED))
+def test_forged_piece_tables_are_refused_or_fall_back(kind: str, mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """A damaged table is a CheckpointError naming the dataset (nothing changed), or — where it
+    no longer covers the regions read — lin64, which still loads the right values."""
+    shape = (2 * SIZE + 1, 3)
+    full = full_value(shape, 1)
+    path = os.path.join(shared_dir, "forged.h5")
+    dt.save({"w": sharded(full, mesh1d, [dt.Shard(0)])}, path)
+    edit, error = FORGED[kind]
+    _tables(path, edit)
+    tgt = dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    if error is not None:
+        with pytest.raises(dt.CheckpointError, match=error):
+            dt.load(path, {"w": tgt})
+        assert not tgt.to_local().any(), "a refused load changed the target"
+        return
+    dt.load(path, {"w": tgt})
+    assert list(reader.VERIFIED.items()) == [("w", "lin64")], reader.VERIFIED
+    assert np.array_equal(tgt.to_torch(), full)
+    if RANK == 0:  # and with a flipped byte, lin64 catches it
+        _flip(path, "w", 3)
+    WORLD.Barrier()
+    with pytest.raises(dt.CheckpointError, match="checksum mismatch in dataset /w"):
+        dt.load(path, {"w": dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])})
+
+
+def test_the_table_records_what_each_rank_wrote(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """One row per non-empty written piece: its offset, shape and the xxh3 of its little-endian
+    bytes (a big-endian tensor too); a zero-size dataset carries no table."""
+    path = os.path.join(shared_dir, "table.h5")
+    full = full_value((SIZE + 1, 2), 2).astype(">f8")
+    saved = sharded(full, mesh1d, [dt.Shard(0)])
+    dt.save({"w": saved, "e": sharded(np.zeros((0, 3)), mesh1d, [dt.Shard(0)])}, path)
+    mine = region(saved, writer=True)
+    row = None if mine is None else (*mine[0], *mine[1], xxhash.xxh3_64_intdigest(saved.to_local().astype("<f8").tobytes()))
+    want = sorted(r for r in WORLD.allgather(row) if r is not None)
+    if RANK == 0:
+        with h5py.File(path, "r") as f:
+            assert f["w"].attrs["pieces"].dtype == np.uint64
+            got = sorted(tuple(int(v) for v in r) for r in f["w"].attrs["pieces"])
+            assert "pieces" not in f["e"].attrs
+        assert got == want, (got, want)
+
+
+def test_files_without_tables_load_with_lin64(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, shared_dir: str,
+                                              check: Checker) -> None:
+    """Checkpoints written before the tables (no 'pieces' attribute anywhere) load as before."""
+    path = os.path.join(shared_dir, "old.h5")
+    fulls = {f"t{i}": full_value((SIZE + 2, 3), i) for i in range(len(LAYOUTS_1D))}
+    dt.save({k: sharded(fulls[k], mesh1d, plc) for k, plc in zip(fulls, LAYOUTS_1D)} | {"step": 3}, path)
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            for k in [*fulls, "step"]:
+                del f[k].attrs["pieces"]
+    WORLD.Barrier()
+    for mesh, plc in ((mesh1d, [dt.Shard(0)]), (mesh2d, [dt.Shard(1), dt.Replicate()])):
+        tgt: dict[str, Any] = {k: dt.zeros(SIZE + 2, 3, dtype=np.float64, device_mesh=mesh, placements=plc) for k in fulls}
+        tgt["step"] = 0
+        dt.load(path, tgt)
+        check.true(tgt["step"] == 3, "the scalar slot")
+        for k in fulls:
+            check.equal(tgt[k].to_torch(), fulls[k], f"{k} -> {plc}")
+        check.true(set(reader.VERIFIED.values()) == {"lin64"}, f"verified by {reader.VERIFIED}")
+    check.done()
+
+
+def test_a_table_over_the_limit_is_not_written(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table over pieces.MAX_TABLE_BYTES (here: under one 40-byte row) is left out: lin64."""
+    from dtorch_mpi.checkpoint import pieces
+
+    monkeypatch.setattr(pieces, "MAX_TABLE_BYTES", 39)
+    path = os.path.join(shared_dir, "limit.h5")
+    full = full_value((SIZE + 1, 3), 4)
+    dt.save({"w": sharded(full, mesh1d, [dt.Shard(0)])}, path)
+    if RANK == 0:
+        with h5py.File(path, "r") as f:
+            assert "pieces" not in f["w"].attrs
+    tgt = dt.zeros(SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    dt.load(path, {"w": tgt})
+    assert list(reader.VERIFIED.items()) == [("w", "lin64")], reader.VERIFIED
+    assert np.array_equal(tgt.to_torch(), full)
