@@ -119,7 +119,7 @@ class Work:
 
     def __init__(
         self,
-        request: MPI.Request | None,
+        request: MPI.Request,
         finish: Callable[[], Any],
         keep: tuple[Any, ...] = (),
         what: str = "a nonblocking collective",
@@ -128,12 +128,8 @@ class Work:
         self._result: Any = None
         self._finished = False
         self._what = what
-        self._entry: _InFlight | None = None
-        if request is None:
-            self._complete()
-        else:
-            self._entry = _InFlight(request, keep)
-            _IN_FLIGHT.add(self._entry)
+        self._entry: _InFlight | None = _InFlight(request, keep)
+        _IN_FLIGHT.add(self._entry)
 
     def _complete(self) -> None:
         if self._entry is not None:
