@@ -45,7 +45,7 @@ class Entry:
 
 def check_header(f: Any, path: str) -> None:
     """The file's ``format`` and ``version`` attributes, strictly typed."""
-    if "format" not in f.attrs:
+    if not _has(f.id, "format"):
         raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (no format attribute)")
     fmt = _attribute(f, "format", path, "/")
     if isinstance(fmt, bytes):
@@ -83,8 +83,8 @@ def scan(f: Any, path: str) -> Listing:
     def walk(group: Any, prefix: str) -> None:
         for name in group:
             where = f"{prefix}/{name}"
-            link = group.get(name, getlink=True)
-            if not isinstance(link, h5py.HardLink):
+            if group.id.links.get_info(name.encode()).type != h5py.h5l.TYPE_HARD:
+                link = group.get(name, getlink=True)
                 raise CheckpointError(f"{path}: {where} is a {type(link).__name__} (dtorch_mpi checkpoints hold no "
                                       f"links; refusing to follow it outside the file or to another object)")
             if "." in name:
@@ -101,7 +101,7 @@ def scan(f: Any, path: str) -> Listing:
                 walk(obj, where)
             elif isinstance(obj, h5py.Dataset):
                 entry = Entry(obj, _check_dataset(obj, where, path), _piece_table(obj, where, path))
-                if pytypes.ATTRIBUTE in obj.attrs:
+                if _has(obj.id, pytypes.ATTRIBUTE):
                     kind = _attribute(obj, pytypes.ATTRIBUTE, path, where)
                     found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
                 else:
@@ -119,7 +119,7 @@ def scan(f: Any, path: str) -> Listing:
 
 
 def _group_type(group: Any, path: str, where: str) -> str:
-    kind = _attribute(group, pytypes.ATTRIBUTE, path, where) if pytypes.ATTRIBUTE in group.attrs else ""
+    kind = _attribute(group, pytypes.ATTRIBUTE, path, where) if _has(group.id, pytypes.ATTRIBUTE) else ""
     return pytypes.check_group(kind, f"{path}: group {where}")
 
 
@@ -165,7 +165,7 @@ def _check_dataset(ds: Any, where: str, path: str) -> int:
 
 def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
     """The dataset's validated piece table, or None when it has none (older files: lin64 only)."""
-    if pieces.ATTRIBUTE not in ds.attrs:
+    if not _has(ds.id, pieces.ATTRIBUTE):
         return None
     value = _attribute(ds, pieces.ATTRIBUTE, path, where, scalar=False)
     return pieces.check(value, tuple(ds.shape), f"{path}: dataset {where}")
@@ -173,21 +173,50 @@ def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
 
 def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True) -> Any:
     """Read one attribute after bounding its size; a missing one is an error (so is an array,
-    unless ``scalar`` is False)."""
-    if name not in obj.attrs:
+    unless ``scalar`` is False). Opened once through h5py's low-level API (``obj.attrs[name]``
+    costs three opens and a new Group for a File: it was most of a small load's time)."""
+    from h5py import h5a
+
+    if not _has(obj.id, name):
         raise CheckpointError(f"{path}: {where} lacks the attribute {name!r}")
-    attr = obj.attrs.get_id(name)
+    attr = h5a.open(obj.id, name.encode())
     if attr.get_storage_size() > MAX_ATTRIBUTE_BYTES:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} holds {attr.get_storage_size()} bytes "
                               f"(limit {MAX_ATTRIBUTE_BYTES})")
     try:
-        value = obj.attrs[name]
+        value = _value(attr)
     except (OSError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} cannot be read ({exc})") from exc
     if scalar and isinstance(value, np.ndarray):
         raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {value.shape}; "
                               f"expected a scalar")
     return value
+
+
+def _has(oid: Any, name: str) -> bool:
+    from h5py import h5a
+
+    return bool(h5a.exists(oid, name.encode()))
+
+
+def _value(attr: Any) -> Any:
+    """An open attribute's value exactly as h5py's ``AttributeManager.__getitem__`` returns it
+    (``Empty`` for a null dataspace, ``str`` for variable-length strings, NumPy scalars for 0-d)."""
+    from h5py import Empty, h5t
+
+    shape, dtype = attr.shape, attr.dtype
+    if shape is None:
+        return Empty(dtype)
+    htype = h5t.py_create(dtype)
+    if dtype.subdtype is not None:  # a top-level array type: NumPy sees its dims as the array's
+        dtype, sub = dtype.subdtype
+        shape = shape + sub
+    arr = np.zeros(shape, dtype=dtype, order="C")
+    attr.read(arr, mtype=htype)
+    string = h5t.check_string_dtype(dtype)
+    if string and string.length is None:
+        arr = np.array([b.decode("utf-8", "surrogateescape") for b in arr.flat], dtype=dtype).reshape(arr.shape)
+    return arr[()] if arr.ndim == 0 else arr
 
 
 def _show(value: Any) -> str:
