@@ -20,6 +20,7 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -90,8 +91,10 @@ def scan(f: Any, path: str) -> Listing:
             if "." in name:
                 raise CheckpointError(f"{path}: {where} has a '.' in its name (keys map dots to groups, "
                                       f"so this name is ambiguous)")
-            obj = group[name]
-            address = h5py.h5o.get_info(obj.id).addr
+            oid = h5py.h5o.open(group.id, name.encode())  # low level: ``group[name]`` costs twice as much
+            wrap = {h5py.h5g.GroupID: h5py.Group, h5py.h5d.DatasetID: partial(h5py.Dataset, readonly=True)}.get(type(oid))
+            obj = wrap(oid) if wrap is not None else group[name]  # anything else is refused below
+            address = h5py.h5o.get_info(oid).addr
             if address in seen:
                 raise CheckpointError(f"{path}: {where} is a second name of an object already seen")
             seen.add(address)
