@@ -537,12 +537,12 @@ def test_read_error_on_one_rank_raises_everywhere_and_changes_nothing(mesh1d: dt
 def test_ranks_with_different_staging_raise_everywhere(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
     """Path and staging are agreed in one collective; each still has its own message (the path first)."""
     path = os.path.join(shared_dir, "staging.h5")
-    fulls, sd = state(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    _, sd = state(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
     dt.save(sd, path)
     tgt = targets(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
     tgt = {k: tgt[k] for k in sd}
     mine = ("all", "chunks")[RANK % 2]
-    with pytest.raises(dt.CheckpointError, match="ranks passed different staging options.*rank 0: 'all'; rank 1: 'chunks'"):
+    with pytest.raises(dt.CheckpointError, match=r"ranks passed different staging options.*rank 0: 'all'; rank 1: 'chunks'"):
         dt.load(path, tgt, staging=mine)
     with pytest.raises(dt.CheckpointError, match="ranks passed different paths"):
         dt.load(path if RANK % 2 else path + ".other", tgt, staging=mine)

@@ -131,12 +131,12 @@ def _check_dataset(ds: Any, where: str, path: str) -> int:
     from h5py import h5d
 
     what = f"{path}: dataset {where}"
-    if ds.is_virtual:
+    dcpl = ds.id.get_create_plist()  # once (``ds.is_virtual`` would make another)
+    layout = dcpl.get_layout()
+    if layout == h5d.VIRTUAL:
         raise CheckpointError(f"{what} is a virtual dataset (it reads other files); refused")
-    dcpl = ds.id.get_create_plist()
     if dcpl.get_external_count():
         raise CheckpointError(f"{what} keeps its data in external files; refused (data must be inside the checkpoint)")
-    layout = dcpl.get_layout()
     if layout not in (h5d.CONTIGUOUS, h5d.COMPACT, h5d.CHUNKED):
         raise CheckpointError(f"{what} has an unsupported storage layout ({layout})")
     if ds.shape is None:
