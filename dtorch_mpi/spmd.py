@@ -107,14 +107,16 @@ def raise_divergence(comm: MPI.Intracomm, values: Mapping[str, object], what: st
     )
 
 
-def require_same(comm: MPI.Intracomm | None, values: Mapping[str, object], *, what: str,
+def require_same(comm: MPI.Intracomm | None, values: Mapping[str, object], *, what: str | Mapping[str, str],
                  error: type[Exception] = SPMDDivergenceError,
                  problem: BaseException | None = None) -> None:
     """Every rank of ``comm`` holds the same ``values``, or ``error`` is raised on every rank.
 
     One Allreduce of ``[status, fingerprints...]`` and their negatives (``MIN`` gives the least
     and, negated, the greatest of each: equal means every rank agrees). ``problem``, this
-    rank's own failure before the check, is agreed first (see :func:`agree`).
+    rank's own failure before the check, is agreed first (see :func:`agree`). ``what`` names
+    the call; a mapping (value name -> text) names each value's own error instead, and the
+    first value that differs raises alone (several unrelated arguments in one collective).
     """
     if comm is None or comm == MPI.COMM_NULL or comm.Get_size() == 1:
         if problem is not None:
@@ -124,11 +126,14 @@ def require_same(comm: MPI.Intracomm | None, values: Mapping[str, object], *, wh
                     dtype=np.int64)
     low = np.empty(2 * mine.size, dtype=np.int64)
     both = np.concatenate([mine, -mine])
-    wait_request(comm.Iallreduce(both, low, op=MPI.MIN), f"the library's agreement check for {what} (Allreduce)")
+    label = what if isinstance(what, str) else ", ".join(what.values())
+    wait_request(comm.Iallreduce(both, low, op=MPI.MIN), f"the library's agreement check for {label} (Allreduce)")
     if low[mine.size] != 0:  # -max(status): some rank failed
         agree(comm, problem)
     differ = [name for i, name in enumerate(values, 1) if low[i] != -low[mine.size + i]]
     if differ:
+        if not isinstance(what, str):
+            what, differ = what[differ[0]], differ[:1]
         raise_divergence(comm, {name: values[name] for name in differ}, what, error)
 
 

@@ -501,6 +501,54 @@ def test_chunked_staging_notices_a_file_changing_between_passes(mesh1d: dt.Devic
         dt.load(path, {k: tgt[k] for k in sd}, staging="chunks")
 
 
+@pytest.mark.parametrize("staging", ["all", "chunks"])
+def test_read_error_on_one_rank_raises_everywhere_and_changes_nothing(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      staging: str) -> None:
+    """A read that fails on one rank only (its report travels with the verdicts): every rank
+    raises naming it, and no target changed."""
+    from dtorch_mpi.checkpoint import reader
+
+    path = os.path.join(shared_dir, "readfail.h5")
+    fulls, sd = state(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    dt.save(sd, path)
+    real = reader._read
+
+    def failing(ds: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+        if RANK == SIZE - 1:
+            raise OSError(5, "Input/output error (planted)")
+        return real(ds, offset, shape)
+
+    tgt = targets(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    tgt = {k: tgt[k] for k in sd}
+    locals_before = {k: v._local for k, v in tgt.items()}
+    monkeypatch.setattr(reader, "_read", failing)
+    with pytest.raises(dt.CheckpointError, match=r"Input/output error \(planted\)"):
+        dt.load(path, tgt, staging=staging)
+    monkeypatch.setattr(reader, "_read", real)
+    for k, v in tgt.items():
+        assert v._local is locals_before[k] and not v.to_local().any(), f"{k}: a failed load changed the target"
+    dt.load(path, tgt, staging=staging)
+    for k, v in tgt.items():
+        assert np.array_equal(v.to_torch(), fulls[k])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_staging_raise_everywhere(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """Path and staging are agreed in one collective; each still has its own message (the path first)."""
+    path = os.path.join(shared_dir, "staging.h5")
+    _, sd = state(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    dt.save(sd, path)
+    tgt = targets(mesh1d, LAYOUTS_1D[:3], (N_ROWS, 3))
+    tgt = {k: tgt[k] for k in sd}
+    mine = ("all", "chunks")[RANK % 2]
+    with pytest.raises(dt.CheckpointError, match=r"ranks passed different staging options.*rank 0: 'all'; rank 1: 'chunks'"):
+        dt.load(path, tgt, staging=mine)
+    with pytest.raises(dt.CheckpointError, match="ranks passed different paths"):
+        dt.load(path if RANK % 2 else path + ".other", tgt, staging=mine)
+    assert all(not v.to_local().any() for v in tgt.values()), "a refused load changed the target"
+
+
 # ---- training state: nested mappings, Python scalars with exact types, optimizers ----
 
 SCALARS: dict[str, Any] = {

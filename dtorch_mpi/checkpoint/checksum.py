@@ -36,6 +36,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..comm.deadline import wait_request
+from ..spmd import agree
+
 MASK = (1 << 64) - 1
 ROW_SEED = 0x6474_6F72_6368_0001
 COL_SEED = 0x6474_6F72_6368_0002
@@ -157,9 +160,14 @@ def combine(terms: np.ndarray) -> int:
     return int(sum(int(t) for t in terms.ravel())) & MASK
 
 
-def gathered_sums(world: Any, terms: Sequence[int]) -> list[int]:
-    """Every rank's term of each dataset, gathered (one Allgather) and combined: the same list
-    of checksums on every rank."""
-    every = np.empty((world.Get_size(), len(terms)), dtype=np.uint64)
-    world.Allgather(np.array(terms, dtype=np.uint64), every)
-    return [combine(every[:, n]) for n in range(len(terms))]
+def gathered_sums(world: Any, terms: Sequence[int], problem: BaseException | None = None) -> list[int]:
+    """Every rank's term of each dataset, gathered (one Allgather, under the collective deadline)
+    and combined: the same list of checksums on every rank. ``problem``, this rank's failure while
+    computing its terms, travels in the same Allgather (a status slot): if any rank had one,
+    every rank raises (spmd.agree), so the terms are never compared."""
+    mine = np.array([problem is not None, *terms], dtype=np.uint64)
+    every = np.empty((world.Get_size(), mine.size), dtype=np.uint64)
+    wait_request(world.Iallgather(mine, every), "the checkpoint load's checksum exchange (Allgather)")
+    if every[:, 0].any():
+        agree(world, problem)
+    return [combine(every[:, n]) for n in range(1, mine.size)]

@@ -46,7 +46,7 @@ from ..placement import Partial, Replicate, Shard
 from ..spmd import agreed, require_same
 from . import pieces, pytypes, targets, tree, validate
 from .checksum import checksum, digest
-from .reader import STAGING, read_verified
+from .reader import STAGING, own_checks, read_verified
 from .validate import FORMAT, VERSION
 
 PROGRESS_THRESHOLD = 64 << 20
@@ -251,9 +251,9 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
 
 def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]]) -> None:
     """``{argument: (what it holds, text)}``: raise (on every rank) for the first argument whose
-    text differs between ranks, naming each rank's text."""
-    for argument, (what, text) in facts.items():
-        require_same(world, {what: text}, what=f"ranks passed different {argument}", error=CheckpointError)
+    text differs between ranks, naming each rank's text (one Allreduce for all of them)."""
+    require_same(world, {what: text for what, text in facts.values()}, error=CheckpointError,
+                 what={what: f"ranks passed different {argument}" for argument, (what, _) in facts.items()})
 
 
 def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
@@ -387,15 +387,21 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
             if staging not in STAGING:
                 raise CheckpointError(f"load(staging={staging!r}): use one of {', '.join(STAGING)}")
             _check_openable(h5py, path)
-        with agreed(world):
+        try:
+            failed: Exception | None = None
             handle = _open(h5py, world, path)
-        with agreed(world):
+        except Exception as exc:  # agreed below, with the validation
+            failed = exc
+        with agreed(world):  # one agreement for the open (collective with MPI-IO) and the validation
+            if failed is not None:
+                raise failed
             validate.check_header(handle, path)
             listing = validate.scan(handle, path)
             restore = targets.match(found, listing, path, strict)
             keys = _check(cast(Mapping[str, Any], restore.tensors), {k: listing.tensors[k].dataset for k in restore.tensors}, strict=False)
+            mine = own_checks(restore.tensors, listing.tensors, keys)
         try:
-            read_verified(restore.tensors, listing.tensors, keys, path, staging)
+            read_verified(restore.tensors, listing.tensors, keys, path, staging, mine)
         except OSError as exc:
             if isinstance(exc, CheckpointError):
                 raise

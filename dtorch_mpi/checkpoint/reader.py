@@ -32,7 +32,7 @@ modes bound the memory a load needs on top of the model:
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from math import prod
 from typing import Any
 
@@ -60,30 +60,40 @@ VERIFIED: dict[str, str] = {}
 
 
 def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str], path: str,
-                  staging: str) -> None:
-    """Read ``keys`` from ``entries`` into ``params`` (agreed on every rank)."""
+                  staging: str, mine: Mapping[str, int | None]) -> None:
+    """Read ``keys`` from ``entries`` into ``params`` (agreed on every rank); ``mine`` is
+    ``own_checks`` (computed by the caller inside its agreed validation)."""
     world = library_world()
-    with agreed(world):
-        mine = _own_checks(params, entries, keys)
     expect = _common_checks(world, mine, keys)
     VERIFIED.clear()
     VERIFIED.update((key, "lin64" if expect[key] is None else "xxh3") for key in keys)
     if staging == "all":
-        with agreed(world):
-            staged = {key: _read_all(params[key], entries[key].dataset, expect[key]) for key in keys}
-        _verify(world, keys, [staged[k][1] for k in keys], params, entries, expect, path)
+        staged, problem = _attempt(lambda: {key: _read_all(params[key], entries[key].dataset, expect[key])
+                                            for key in keys})
+        _verify(world, keys, [staged[k][1] for k in keys] if staged else [0] * len(keys), params, entries, expect,
+                path, problem)
         for key in keys:
             _commit(params[key], staged.pop(key)[0])
         return
-    with agreed(world):
-        first = {key: _first_pass(params[key], entries[key].dataset, expect[key]) for key in keys}
-    _verify(world, keys, [first[k][1] for k in keys], params, entries, expect, path)
+    first, problem = _attempt(lambda: {key: _first_pass(params[key], entries[key].dataset, expect[key])
+                                       for key in keys})
+    _verify(world, keys, [first[k][1] for k in keys] if first else [0] * len(keys), params, entries, expect,
+            path, problem)
     with agreed(world):
         for key in keys:
             _stream_into(params[key], entries[key].dataset, first[key][0], path, key)
 
 
-def _own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, int | None]:
+def _attempt(read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Exception | None]:
+    """Run this rank's reads; a failure is kept for ``_verify``'s Allgather to agree on (one
+    collective carries both the terms and every rank's status)."""
+    try:
+        return read(), None
+    except Exception as exc:
+        return {}, exc
+
+
+def own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, int | None]:
     """Each dataset's recorded digest of this rank's region (0 when it reads nothing: nothing to
     check), or None when the region is not exactly one recorded piece (or there is no table)."""
     mine: dict[str, int | None] = {}
@@ -129,12 +139,18 @@ def readers_per_element(param: Any) -> int:
 
 
 def _read(ds: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
+    """The block at ``offset`` with ``shape``, in the file's dtype (h5py's low-level read: the
+    high-level ``read_direct`` builds selections in Python at ~30 us per call)."""
+    from h5py import h5s
+
     out = np.empty(shape, dtype=ds.dtype)
     if prod(shape):
+        fspace = ds.id.get_space()
         if shape:
-            ds.read_direct(out, tuple(slice(o, o + n) for o, n in zip(offset, shape)))
+            fspace.select_hyperslab(offset, shape)
+            ds.id.read(h5s.create_simple(shape), fspace, out)
         else:
-            ds.read_direct(out)
+            ds.id.read(h5s.create(h5s.SCALAR), fspace, out)
     return out
 
 
@@ -201,10 +217,12 @@ def _first_pass(param: Any, ds: Any, expected: int | None) -> tuple[list[int], i
 
 
 def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, Any],
-            entries: Mapping[str, Entry], expect: Mapping[str, int | None], path: str) -> None:
-    """Gather every rank's terms; the same verdict (and error) on every rank (xxh3: no rank saw a
-    mismatch; lin64: the terms add up to the stored checksum once per reader)."""
-    bad = [key for key, total in zip(keys, gathered_sums(world, terms))
+            entries: Mapping[str, Entry], expect: Mapping[str, int | None], path: str,
+            problem: Exception | None) -> None:
+    """Gather every rank's terms and status (``problem``: its reads failed); the same verdict
+    (and error) on every rank (xxh3: no rank saw a mismatch; lin64: the terms add up to the
+    stored checksum once per reader)."""
+    bad = [key for key, total in zip(keys, gathered_sums(world, terms, problem))
            if total != (0 if expect[key] is not None else entries[key].checksum * readers_per_element(params[key]) & MASK)]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in dataset{'s' if len(bad) > 1 else ''} "

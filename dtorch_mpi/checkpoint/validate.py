@@ -20,6 +20,7 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from math import prod
 from typing import Any
 
@@ -45,7 +46,7 @@ class Entry:
 
 def check_header(f: Any, path: str) -> None:
     """The file's ``format`` and ``version`` attributes, strictly typed."""
-    if "format" not in f.attrs:
+    if not _has(f.id, "format"):
         raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (no format attribute)")
     fmt = _attribute(f, "format", path, "/")
     if isinstance(fmt, bytes):
@@ -83,15 +84,17 @@ def scan(f: Any, path: str) -> Listing:
     def walk(group: Any, prefix: str) -> None:
         for name in group:
             where = f"{prefix}/{name}"
-            link = group.get(name, getlink=True)
-            if not isinstance(link, h5py.HardLink):
+            if group.id.links.get_info(name.encode()).type != h5py.h5l.TYPE_HARD:
+                link = group.get(name, getlink=True)
                 raise CheckpointError(f"{path}: {where} is a {type(link).__name__} (dtorch_mpi checkpoints hold no "
                                       f"links; refusing to follow it outside the file or to another object)")
             if "." in name:
                 raise CheckpointError(f"{path}: {where} has a '.' in its name (keys map dots to groups, "
                                       f"so this name is ambiguous)")
-            obj = group[name]
-            address = h5py.h5o.get_info(obj.id).addr
+            oid = h5py.h5o.open(group.id, name.encode())  # low level: ``group[name]`` costs twice as much
+            wrap = {h5py.h5g.GroupID: h5py.Group, h5py.h5d.DatasetID: partial(h5py.Dataset, readonly=True)}.get(type(oid))
+            obj = wrap(oid) if wrap is not None else group[name]  # anything else is refused below
+            address = h5py.h5o.get_info(oid).addr
             if address in seen:
                 raise CheckpointError(f"{path}: {where} is a second name of an object already seen")
             seen.add(address)
@@ -101,7 +104,7 @@ def scan(f: Any, path: str) -> Listing:
                 walk(obj, where)
             elif isinstance(obj, h5py.Dataset):
                 entry = Entry(obj, _check_dataset(obj, where, path), _piece_table(obj, where, path))
-                if pytypes.ATTRIBUTE in obj.attrs:
+                if _has(obj.id, pytypes.ATTRIBUTE):
                     kind = _attribute(obj, pytypes.ATTRIBUTE, path, where)
                     found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
                 else:
@@ -119,7 +122,7 @@ def scan(f: Any, path: str) -> Listing:
 
 
 def _group_type(group: Any, path: str, where: str) -> str:
-    kind = _attribute(group, pytypes.ATTRIBUTE, path, where) if pytypes.ATTRIBUTE in group.attrs else ""
+    kind = _attribute(group, pytypes.ATTRIBUTE, path, where) if _has(group.id, pytypes.ATTRIBUTE) else ""
     return pytypes.check_group(kind, f"{path}: group {where}")
 
 
@@ -128,12 +131,12 @@ def _check_dataset(ds: Any, where: str, path: str) -> int:
     from h5py import h5d
 
     what = f"{path}: dataset {where}"
-    if ds.is_virtual:
+    dcpl = ds.id.get_create_plist()  # once (``ds.is_virtual`` would make another)
+    layout = dcpl.get_layout()
+    if layout == h5d.VIRTUAL:
         raise CheckpointError(f"{what} is a virtual dataset (it reads other files); refused")
-    dcpl = ds.id.get_create_plist()
     if dcpl.get_external_count():
         raise CheckpointError(f"{what} keeps its data in external files; refused (data must be inside the checkpoint)")
-    layout = dcpl.get_layout()
     if layout not in (h5d.CONTIGUOUS, h5d.COMPACT, h5d.CHUNKED):
         raise CheckpointError(f"{what} has an unsupported storage layout ({layout})")
     if ds.shape is None:
@@ -165,7 +168,7 @@ def _check_dataset(ds: Any, where: str, path: str) -> int:
 
 def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
     """The dataset's validated piece table, or None when it has none (older files: lin64 only)."""
-    if pieces.ATTRIBUTE not in ds.attrs:
+    if not _has(ds.id, pieces.ATTRIBUTE):
         return None
     value = _attribute(ds, pieces.ATTRIBUTE, path, where, scalar=False)
     return pieces.check(value, tuple(ds.shape), f"{path}: dataset {where}")
@@ -173,21 +176,50 @@ def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
 
 def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True) -> Any:
     """Read one attribute after bounding its size; a missing one is an error (so is an array,
-    unless ``scalar`` is False)."""
-    if name not in obj.attrs:
+    unless ``scalar`` is False). Opened once through h5py's low-level API (``obj.attrs[name]``
+    costs three opens and a new Group for a File: it was most of a small load's time)."""
+    from h5py import h5a
+
+    if not _has(obj.id, name):
         raise CheckpointError(f"{path}: {where} lacks the attribute {name!r}")
-    attr = obj.attrs.get_id(name)
+    attr = h5a.open(obj.id, name.encode())
     if attr.get_storage_size() > MAX_ATTRIBUTE_BYTES:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} holds {attr.get_storage_size()} bytes "
                               f"(limit {MAX_ATTRIBUTE_BYTES})")
     try:
-        value = obj.attrs[name]
+        value = _value(attr)
     except (OSError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} cannot be read ({exc})") from exc
     if scalar and isinstance(value, np.ndarray):
         raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {value.shape}; "
                               f"expected a scalar")
     return value
+
+
+def _has(oid: Any, name: str) -> bool:
+    from h5py import h5a
+
+    return bool(h5a.exists(oid, name.encode()))
+
+
+def _value(attr: Any) -> Any:
+    """An open attribute's value exactly as h5py's ``AttributeManager.__getitem__`` returns it
+    (``Empty`` for a null dataspace, ``str`` for variable-length strings, NumPy scalars for 0-d)."""
+    from h5py import Empty, h5t
+
+    shape, dtype = attr.shape, attr.dtype
+    if shape is None:
+        return Empty(dtype)
+    htype = h5t.py_create(dtype)
+    if dtype.subdtype is not None:  # a top-level array type: NumPy sees its dims as the array's
+        dtype, sub = dtype.subdtype
+        shape = shape + sub
+    arr = np.zeros(shape, dtype=dtype, order="C")
+    attr.read(arr, mtype=htype)
+    string = h5t.check_string_dtype(dtype)
+    if string and string.length is None:
+        arr = np.array([b.decode("utf-8", "surrogateescape") for b in arr.flat], dtype=dtype).reshape(arr.shape)
+    return arr[()] if arr.ndim == 0 else arr
 
 
 def _show(value: Any) -> str:
