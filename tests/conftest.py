@@ -8,6 +8,8 @@ then ends the others; every mpiexec run is bounded by scripts/run_tests.py.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -96,6 +98,16 @@ class Checker:
 @pytest.fixture
 def check() -> Checker:
     return Checker()
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[str]:
+    """A fresh directory every rank sees (made by rank 0, removed after the test)."""
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-test-") if RANK == 0 else None, root=0)
+    yield path
+    WORLD.Barrier()
+    if RANK == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 MESH2D_SHAPES = {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}

@@ -5,9 +5,7 @@ pip-only stack (serial h5py: ranks write in turn) and on the parallel-HDF5 stack
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
+import sys
 from typing import Any
 
 import h5py
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import RANK, SIZE, Checker
 from mpi4py import MPI
+from mpi_launch import child_env, run
 from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
@@ -23,15 +22,6 @@ from dtorch_mpi.checkpoint.checksum import checksum
 
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[str]:
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-ck-") if RANK == 0 else None, root=0)
-    yield path
-    WORLD.Barrier()
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def full_value(shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -793,3 +783,28 @@ def test_optimizer_state_reshards_onto_current_placements(mesh1d: dt.DeviceMesh,
             assert np.array_equal(got[name].to_torch(), want[name])
     for a, b in zip(model.parameters(), other.parameters()):
         assert np.array_equal(a.to_torch(), b.to_torch())
+
+
+_WITHOUT = """
+import os, sys, tempfile
+for name in sys.argv[1:]:
+    sys.modules[name] = None  # as if it were not installed
+import numpy as np
+import dtorch_mpi as dt
+mesh = dt.init_device_mesh("cpu", (1,))
+assert dt.ones(3, device_mesh=mesh).to_torch().sum() == 3
+try:
+    dt.save({"w": np.zeros(2)}, os.path.join(tempfile.mkdtemp(), "unused.h5"))
+except dt.CheckpointError as exc:
+    print("save:", exc)
+"""
+
+
+@pytest.mark.skipif(SIZE > 1, reason="launches its own process; runs in the 1-process pass")
+@pytest.mark.parametrize("missing, needs", [(["h5py", "xxhash"], "need h5py"), (["xxhash"], "need xxhash")])
+def test_the_package_imports_and_computes_without_the_checkpoint_extras(missing: list[str], needs: str) -> None:
+    """h5py and xxhash come with the hdf5 extra: importing dtorch_mpi and computing need
+    neither; a checkpoint call without them is a CheckpointError naming the package."""
+    proc = run([sys.executable, "-c", _WITHOUT, *missing], timeout=120, env=child_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"save: checkpoints {needs}" in proc.stdout, proc.stdout + proc.stderr

@@ -6,9 +6,7 @@ refused by name or falls back to lin64, never passing damaged data. Runs on both
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
+import tracemalloc
 from typing import Any
 
 import h5py
@@ -28,15 +26,6 @@ LAYOUTS_1D: list[list[dt.Placement]] = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replic
 LAYOUTS_2D: list[list[dt.Placement]] = [[dt.Shard(0), dt.Shard(1)], [dt.Replicate(), dt.Shard(0)],
                                         [dt.Shard(1), dt.Replicate()], [dt.Shard(0), dt.Shard(0)]]
 STAGINGS = ["all", "chunks"]
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[str]:
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-pieces-") if RANK == 0 else None, root=0)
-    yield path
-    WORLD.Barrier()
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def region(t: dt.DTensor, writer: bool) -> tuple[Any, ...] | None:
@@ -130,10 +119,18 @@ def _tables(path: str, edit: Any) -> None:
                 del f["w"]
                 f["w"] = data
                 f["w"].attrs.update(attrs)
-                if new is not None:
+                if new is not None and new.dtype == object:  # variable-length rows
+                    f["w"].attrs.create("pieces", new, dtype=h5py.vlen_dtype(np.uint64))
+                elif new is not None:
                     f["w"].attrs["pieces"] = new
     finally:
         WORLD.Barrier()
+
+
+def _ragged(rows: int) -> np.ndarray:
+    table = np.empty(rows, dtype=object)
+    table[:] = [np.arange(1000, dtype=np.uint64)] * rows
+    return table
 
 
 def _shifted(t: np.ndarray, ds: Any) -> np.ndarray:
@@ -144,7 +141,7 @@ def _shifted(t: np.ndarray, ds: Any) -> np.ndarray:
 
 FORGED = {  # kind -> (edit of the table, the error it must raise, or None: loads with lin64)
     "float_table": (lambda t, ds: t.astype(np.float64), "'pieces' .the piece table. must be a uint64 array, got float64"),
-    "scalar_table": (lambda t, ds: np.uint64(5), "'pieces' .the piece table. must be a uint64 array, got uint64"),
+    "scalar_table": (lambda t, ds: np.uint64(5), "'pieces' .the piece table. must be a uint64 array, got a uint64 scalar"),
     "int8_table": (lambda t, ds: t.astype(np.int8), "must be a uint64 array, got int8"),
     "wrong_columns": (lambda t, ds: t[:, 1:], r"has shape \(\d+, 4\); a 2-d dataset needs \(pieces >= 1, 5\)"),
     "one_d_table": (lambda t, ds: t.ravel(), r"has shape \(\d+,\); a 2-d dataset needs"),
@@ -185,6 +182,26 @@ def test_forged_piece_tables_are_refused_or_fall_back(kind: str, mesh1d: dt.Devi
     WORLD.Barrier()
     with pytest.raises(dt.CheckpointError, match="checksum mismatch in dataset /w"):
         dt.load(path, {"w": dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])})
+
+
+def test_a_variable_length_table_is_refused_before_it_is_read(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """A variable-length row costs 16 bytes of attribute storage whatever it holds, so the size
+    bound does not cover it: 4000 rows of 8 KB (32 MB in the file behind a 64 KB attribute) are
+    refused by their stored type, before anything is read."""
+    shape = (2 * SIZE + 1, 3)
+    path = os.path.join(shared_dir, "ragged.h5")
+    dt.save({"w": sharded(full_value(shape, 1), mesh1d, [dt.Shard(0)])}, path)
+    _tables(path, lambda t, ds: _ragged(4000))
+    tgt = dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    tracemalloc.start()
+    try:
+        with pytest.raises(dt.CheckpointError, match="must be a uint64 array, got object"):
+            dt.load(path, {"w": tgt})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 256 << 10, f"the refused table was read first ({peak} bytes traced; ~15 KB when refused by type)"
+    assert not tgt.to_local().any()
 
 
 def test_the_table_records_what_each_rank_wrote(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:

@@ -8,17 +8,13 @@ saved under one plan and resumed under another continues the uninterrupted run e
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import h5py
 import numpy as np
 import pytest
-from conftest import RANK, SIZE
-from mpi4py import MPI
+from conftest import SIZE
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import train_mlp
@@ -76,15 +72,6 @@ def test_plans_place_parameters_and_reduce_gradients_packed() -> None:
 
 RESUMES = [(a, b) for a, b in (("tp", "dp"), ("dp", "tp"), ("replicated", "dp_tp"), ("dp_tp", "replicated"))
            if a in PLANS and b in PLANS]
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[str]:
-    path = MPI.COMM_WORLD.bcast(tempfile.mkdtemp(prefix="dtorch-resume-") if RANK == 0 else None, root=0)
-    yield path
-    MPI.COMM_WORLD.Barrier()
-    if RANK == 0:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def run_steps(plan: str, optimizer: str, task: str, steps: int, *, seed: int = 0, lr_scale: float = 1.0,

@@ -34,9 +34,9 @@ from math import prod
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from ..comm.deadline import wait_request
+from ..errors import CheckpointError
 from ..spmd import agree
 
 MASK = (1 << 64) - 1
@@ -152,7 +152,18 @@ def canonical(block: np.ndarray) -> memoryview:
 
 def digest(block: np.ndarray) -> int:
     """``xxh3_64`` of the block in canonical form (one recorded piece's digest)."""
-    return int(xxhash.xxh3_64_intdigest(canonical(block)))
+    return int(running_digest(block).intdigest())
+
+
+def running_digest(first: np.ndarray | None = None) -> Any:
+    """An ``xxh3_64`` hasher (``update(canonical(block))`` adds blocks in turn). ``xxhash`` comes
+    with checkpoints (the ``hdf5`` extra, like h5py), so it is imported here, not with the package."""
+    try:
+        import xxhash
+    except ImportError as exc:
+        raise CheckpointError("checkpoints need xxhash: pip install xxhash (or dtorch_mpi[hdf5])") from exc
+
+    return xxhash.xxh3_64(canonical(first) if first is not None else b"")
 
 
 def combine(terms: np.ndarray) -> int:

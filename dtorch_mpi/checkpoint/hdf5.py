@@ -146,10 +146,10 @@ def _slab(leaf: tree.Leaf, writable: Mapping[str, DTensor], wholes: Mapping[str,
         return _Slab(leaf.key, t.shape, t.dtype, piece, _term(piece, t),
                      {"placements": repr(list(leaf.value.placements)),
                       "mesh_shape": np.array(t.device_mesh.shape, dtype=np.int64)})
-    array, digest = wholes[leaf.key]
+    array, term = wholes[leaf.key]  # its lin64 checksum
     mine = rank == 0
     return _Slab(leaf.key, array.shape, array.dtype, ((0,) * array.ndim, array.shape, array) if mine else None,
-                 digest if mine else 0, {pytypes.ATTRIBUTE: leaf.pytype} if leaf.pytype else {})
+                 term if mine else 0, {pytypes.ATTRIBUTE: leaf.pytype} if leaf.pytype else {})
 
 
 class _Progress:

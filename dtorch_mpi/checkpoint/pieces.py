@@ -55,16 +55,27 @@ def gather(world: Any, records: Sequence[np.ndarray]) -> list[tuple[int, np.ndar
     return out
 
 
+def check_layout(dtype: np.dtype, table_shape: tuple[int, ...], shape: tuple[int, ...], what: str) -> None:
+    """The stored table's type and shape, checked before it is read: a variable-length type
+    could hold any amount of data behind an attribute whose own storage is small."""
+    ndim = len(shape)
+    bad = f"{what}: attribute {ATTRIBUTE!r} (the piece table)"
+    if dtype.kind != "u" or dtype.itemsize != 8:
+        raise CheckpointError(f"{bad} must be a uint64 array, got {dtype}; the file's metadata is damaged")
+    if not table_shape:
+        raise CheckpointError(f"{bad} must be a uint64 array, got a {dtype} scalar; the file's metadata is damaged")
+    if len(table_shape) != 2 or table_shape[1] != 2 * ndim + 1 or not table_shape[0]:
+        raise CheckpointError(f"{bad} has shape {table_shape}; a {ndim}-d dataset needs (pieces >= 1, {2 * ndim + 1}); "
+                              f"the file's metadata is damaged")
+
+
 def check(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     """A stored table, validated against the dataset's ``shape`` (``what`` names the dataset)."""
     ndim = len(shape)
     bad = f"{what}: attribute {ATTRIBUTE!r} (the piece table)"
-    if not isinstance(value, np.ndarray) or value.dtype.kind != "u" or value.dtype.itemsize != 8:
-        kind = value.dtype if isinstance(value, np.ndarray) else type(value).__name__
-        raise CheckpointError(f"{bad} must be a uint64 array, got {kind}; the file's metadata is damaged")
-    if value.ndim != 2 or value.shape[1] != 2 * ndim + 1 or not value.shape[0]:
-        raise CheckpointError(f"{bad} has shape {value.shape}; a {ndim}-d dataset needs (pieces >= 1, {2 * ndim + 1}); "
-                              f"the file's metadata is damaged")
+    if not isinstance(value, np.ndarray):
+        raise CheckpointError(f"{bad} must be a uint64 array, got {type(value).__name__}; the file's metadata is damaged")
+    check_layout(value.dtype, value.shape, shape, what)
     table = value.astype(np.uint64, copy=False)
     offsets, sizes = table[:, :ndim], table[:, ndim : 2 * ndim]
     dims = np.array(shape, dtype=np.uint64)

@@ -37,7 +37,6 @@ from math import prod
 from typing import Any
 
 import numpy as np
-import xxhash
 from mpi4py import MPI
 
 from .._mpi import library_world
@@ -48,7 +47,7 @@ from ..placement import Partial, Replicate
 from ..redistribute import array_namespace
 from ..spmd import agreed
 from . import pieces
-from .checksum import MASK, canonical, checksum, digest, gathered_sums
+from .checksum import MASK, canonical, checksum, digest, gathered_sums, running_digest
 from .validate import Entry
 
 STAGING = ("all", "chunks")
@@ -56,7 +55,9 @@ CHUNK_BYTES = 16 << 20
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, shape) of one hyperslab read
 VERIFIED: dict[str, str] = {}
-"""Dataset key -> ``"xxh3"`` or ``"lin64"``: how each dataset of this rank's latest load was verified."""
+"""Dataset key -> ``"xxh3"`` or ``"lin64"``: the check chosen for each DTensor dataset of this
+rank's latest load (set once the choice is agreed, before reading: a load that then fails
+still shows its choice; complete arrays and scalars are not listed)."""
 
 
 def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str], path: str,
@@ -204,7 +205,7 @@ def _first_pass(param: Any, ds: Any, expected: int | None) -> tuple[list[int], i
     """``"chunks"``, first pass: each chunk's xxh3 (for the second pass) and this rank's verdict
     term (lin64 terms summed, or the xxh3 of all chunks in turn against the recorded digest)."""
     marks: list[int] = []
-    term, whole = 0, xxhash.xxh3_64()
+    term, whole = 0, running_digest()
     for off, raw in _chunks(param, ds):
         marks.append(digest(raw))
         if expected is None:

@@ -19,6 +19,7 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from math import prod
@@ -170,14 +171,19 @@ def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
     """The dataset's validated piece table, or None when it has none (older files: lin64 only)."""
     if not _has(ds.id, pieces.ATTRIBUTE):
         return None
-    value = _attribute(ds, pieces.ATTRIBUTE, path, where, scalar=False)
-    return pieces.check(value, tuple(ds.shape), f"{path}: dataset {where}")
+    what = f"{path}: dataset {where}"
+    value = _attribute(ds, pieces.ATTRIBUTE, path, where, scalar=False,
+                       layout=lambda dtype, shape: pieces.check_layout(dtype, shape, tuple(ds.shape), what))
+    return pieces.check(value, tuple(ds.shape), what)
 
 
-def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True) -> Any:
+def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,
+               layout: Callable[[np.dtype, tuple[int, ...]], None] | None = None) -> Any:
     """Read one attribute after bounding its size; a missing one is an error (so is an array,
-    unless ``scalar`` is False). Opened once through h5py's low-level API (``obj.attrs[name]``
-    costs three opens and a new Group for a File: it was most of a small load's time)."""
+    unless ``scalar`` is False; ``layout`` checks an array's stored type and shape). Both are
+    checked before the read: the storage size does not bound variable-length contents. Opened
+    once through h5py's low-level API (``obj.attrs[name]`` costs three opens and a new Group for
+    a File: it was most of a small load's time)."""
     from h5py import h5a
 
     if not _has(obj.id, name):
@@ -186,13 +192,15 @@ def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True) 
     if attr.get_storage_size() > MAX_ATTRIBUTE_BYTES:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} holds {attr.get_storage_size()} bytes "
                               f"(limit {MAX_ATTRIBUTE_BYTES})")
+    if scalar and attr.shape not in ((), None):
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {attr.shape}; "
+                              f"expected a scalar")
+    if layout is not None:
+        layout(attr.dtype, tuple(attr.shape or ()))
     try:
         value = _value(attr)
     except (OSError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} cannot be read ({exc})") from exc
-    if scalar and isinstance(value, np.ndarray):
-        raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {value.shape}; "
-                              f"expected a scalar")
     return value
 
 
