@@ -334,6 +334,11 @@ def _craft(kind: str, path: str, d: str) -> None:
             _replace(f, "layer1/w", early)
         elif kind == "no_checksum":
             del f["layer1/w"].attrs["checksum"]
+        elif kind == "checksum_array_type":  # a scalar dataspace whose type is an array of 3 uint64
+            del f["layer1/w"].attrs["checksum"]
+            atype = h5py.h5t.array_create(h5py.h5t.STD_U64LE, (3,))
+            h5py.h5a.create(f["layer1/w"].id, b"checksum", atype, h5py.h5s.create(h5py.h5s.SCALAR)).write(
+                np.arange(3, dtype=np.uint64), mtype=atype)
     if kind == "huge_attribute":  # 128 KiB for a scalar (dense attribute storage needs libver latest)
         with h5py.File(path, "r+", libver="latest") as f:
             _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, data=value))
@@ -353,6 +358,7 @@ UNTRUSTED = {  # kind -> what the error must say (each names the dataset or attr
     "format_array": "attribute 'format' of / is an array",
     "version_str": "attribute 'version' must be an integer, got str 'one'",
     "version_list": "attribute 'version' of / is an array",
+    "checksum_array_type": r"attribute 'checksum' of /layer1/w is an array of shape \(3,\); expected a scalar",
     "version_float": "attribute 'version' must be an integer, got float 1.9",
     "version_1": "version 1 predates per-dataset checksums",
     "dtype_flip": "layer1/w is stored as <u8 but its 'dtype' attribute says str '<f8'",

@@ -192,8 +192,9 @@ def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,
     if attr.get_storage_size() > MAX_ATTRIBUTE_BYTES:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} holds {attr.get_storage_size()} bytes "
                               f"(limit {MAX_ATTRIBUTE_BYTES})")
-    if scalar and attr.shape not in ((), None):
-        raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {attr.shape}; "
+    if scalar and (attr.shape not in ((), None) or attr.dtype.subdtype is not None):
+        shape = (attr.shape or ()) + (attr.dtype.subdtype[1] if attr.dtype.subdtype is not None else ())
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} is an array of shape {shape}; "
                               f"expected a scalar")
     if layout is not None:
         layout(attr.dtype, tuple(attr.shape or ()))
