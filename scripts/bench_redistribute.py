@@ -11,7 +11,8 @@ rotation (a load change hits all alike); the medians (slowest rank) give:
                 compiled plan called in a loop, so its buffers come back from comm/pool.py.
   peak/out      dtorch's peak extra memory of one call with the buffer pool emptied first
                 (tracemalloc), as a multiple of the output piece: the footprint the pool keeps.
-Baselines:
+Baselines (each as MPI's blocking call and as its nonblocking form polled to completion, as
+the library waits; the best of them is the column's figure):
   S(0)->R, S(1)->R: Allgather of contiguous equal (padded when uneven) blocks and Allgatherv
   S(0)->S(1): Alltoall of contiguous blocks of the same bytes
   P->R: Allreduce;  P->S(0): Reduce_scatter_block (and Reduce_scatter when uneven)
@@ -31,6 +32,7 @@ from mpi4py import MPI
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import pool, set_comm_path
+from dtorch_mpi.comm.deadline import wait_request
 from dtorch_mpi.split import split_sizes
 
 WORLD = MPI.COMM_WORLD
@@ -58,8 +60,9 @@ def shapes_for(nbytes: int, m: int, square: bool = False) -> dict[str, tuple[int
 
 
 def raw_cases(kind: str, shape: tuple[int, int], m: int, comm: MPI.Intracomm, fresh: bool):
-    """The raw collectives moving the same bytes as ``kind`` on ``shape``; with ``fresh`` the
-    receive buffer is allocated per call."""
+    """The raw collectives moving the same bytes as ``kind`` on ``shape``, each as MPI's blocking
+    call and as its nonblocking form polled to completion (what the library does; with MPICH it
+    is often the faster of the two); with ``fresh`` the receive buffer is allocated per call."""
     total = shape[0] * shape[1]
     axis = 1 if kind == "S1->R" else 0
     sizes = [n * (shape[1] if axis == 0 else shape[0]) for n in split_sizes(shape[axis], m)]
@@ -73,26 +76,33 @@ def raw_cases(kind: str, shape: tuple[int, int], m: int, comm: MPI.Intracomm, fr
             return np.empty(n, np.float32)
         return kept.setdefault(n, np.empty(n, np.float32)) if n not in kept else kept[n]
 
+    def both(name: str, args: Callable[[], tuple[object, ...]]) -> dict[str, Callable[[], object]]:
+        blocking, start = getattr(comm, name), getattr(comm, "I" + name[0].lower() + name[1:])
+
+        def polled() -> None:
+            a = args()  # held until the request completes
+            wait_request(start(*a), name)
+
+        return {name: lambda: blocking(*args()), f"I{name[0].lower()}{name[1:]}+poll": polled}
+
     if kind in ("S0->R", "S1->R"):
         mine = np.ones(sizes[me], np.float32)
         padded_in = np.ones(mx, np.float32)
         displs = list(np.cumsum([0] + sizes[:-1]))
-        return {
-            "Allgather": lambda: comm.Allgather(padded_in, buf(mx * m)),
-            "Allgatherv": lambda: comm.Allgatherv(mine, [buf(total), (sizes, displs), MPI.FLOAT]),
-        }
+        return both("Allgather", lambda: (padded_in, buf(mx * m))) | both(
+            "Allgatherv", lambda: (mine, [buf(total), (sizes, displs), MPI.FLOAT]))
     if kind == "S0->S1":
         blk = max(1, (total // m) // m)
         a = np.ones(blk * m, np.float32)
-        return {"Alltoall": lambda: comm.Alltoall(a, buf(blk * m))}
+        return both("Alltoall", lambda: (a, buf(blk * m)))
     if kind == "P->R":
         a = np.ones(total, np.float32)
-        return {"Allreduce": lambda: comm.Allreduce(a, buf(total))}
+        return both("Allreduce", lambda: (a, buf(total)))
     a = np.ones(mx * m, np.float32)
-    cases = {"Reduce_scatter_block": lambda: comm.Reduce_scatter_block(a, buf(mx))}
+    cases = both("Reduce_scatter_block", lambda: (a, buf(mx)))
     if len(set(sizes)) > 1:
         b = np.ones(total, np.float32)
-        cases["Reduce_scatter"] = lambda: comm.Reduce_scatter(b, buf(sizes[me]), sizes)
+        cases |= both("Reduce_scatter", lambda: (b, buf(sizes[me]), sizes))
     return cases
 
 
@@ -123,7 +133,7 @@ def main() -> None:
         print(f"ranks={m}  load average at start {os.getloadavg()[0]:.2f}  (medians over interleaved reps "
               "of the slowest rank)")
         print(f"{'transition':<10} {'path':<8} {'size':>5} {'shape':>13} {'dtorch ms':>10} {'raw ms':>9} "
-              f"{'raw-reuse':>9} {'raw op':<21} {'ratio':>6} {'/reuse':>6} {'peak/out':>8}")
+              f"{'raw-reuse':>9} {'raw op':<27} {'ratio':>6} {'/reuse':>6} {'peak/out':>8}")
     for size in args.sizes.split(","):
         nbytes = int(size[:-1]) * units[size[-1]]
         reps = 21 if nbytes <= (1 << 20) else 9 if nbytes <= (16 << 20) else 5
@@ -157,7 +167,7 @@ def main() -> None:
                     rows.append(row)
                     if WORLD.Get_rank() == 0:
                         print(f"{kind:<10} {path:<8} {size:>5} {shape!s:>13} {mine * 1e3:>10.3f} "
-                              f"{t[best] * 1e3:>9.3f} {floor * 1e3:>9.3f} {best[6:]:<21} {mine / t[best]:>6.2f} "
+                              f"{t[best] * 1e3:>9.3f} {floor * 1e3:>9.3f} {best[6:]:<27} {mine / t[best]:>6.2f} "
                               f"{mine / floor:>6.2f} {peak / max(out_bytes, 1):>8.2f}", flush=True)
     if WORLD.Get_rank() == 0:
         print(f"load average at end {os.getloadavg()[0]:.2f}")

@@ -66,15 +66,16 @@ def test_route_choice_is_a_function_of_group_wide_sizes() -> None:
     # from the size threshold (whole tensor: 6 x 6 x 4 bytes) equal blocks take Alltoallv too
     assert all_to_all_route("auto", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2), 4, 144) is Route.A2A_V
     assert all_to_all_route("auto", (2, 6), 1, (2, 2, 2), 0, (2, 2, 2), 4, 145) is Route.A2A_EQUAL
-    assert gather_route("auto", (2, 2), 1, 64, big) is Route.GATHER_EQUAL
-    assert gather_route("auto", (2, 2), 3, 64, big) is Route.GATHER_W
-    assert gather_route("auto", (2, 1), 1, 64, big) is Route.GATHER_V
-    assert gather_route("auto", (2, 1), 1, 64, 64) is Route.GATHER_W  # from the size threshold
-    assert gather_route("variable", (2, 1), 1, 64, 64) is Route.GATHER_V
-    assert gather_route("padded", (2, 1), 1, 64, big) is Route.GATHER_PADDED_COMPACT
-    assert gather_route("padded", (2, 1), 3, 64, big) is Route.GATHER_PADDED_STRIDED
-    assert gather_route("auto", (2, 1), 3, 64, big) is Route.GATHER_W
-    assert gather_route("padded", (0, 0), 1, 0, big) is Route.NOTHING
+    assert gather_route("auto", (2, 2), 1, 64) is Route.GATHER_EQUAL
+    assert gather_route("auto", (2, 2), 3, 64) is Route.GATHER_W
+    assert gather_route("auto", (2, 1), 1, 64) is Route.GATHER_V
+    assert gather_route("auto", (2, 1), 1, 1 << 30) is Route.GATHER_V  # at every size
+    assert gather_route("variable", (2, 1), 1, 64) is Route.GATHER_V
+    assert gather_route("padded", (2, 1), 1, 64) is Route.GATHER_PADDED_COMPACT
+    assert gather_route("padded", (2, 1), 3, 64) is Route.GATHER_PADDED_STRIDED
+    assert gather_route("auto", (2, 1), 3, 64) is Route.GATHER_W
+    assert gather_route("variable", (2, 1), 3, 64) is Route.GATHER_W
+    assert gather_route("padded", (0, 0), 1, 0) is Route.NOTHING
     assert [r.padded for r in (Route.GATHER_PADDED_COMPACT, Route.A2A_PADDED, Route.A2A_EQUAL)] == [
         True, True, False]
 

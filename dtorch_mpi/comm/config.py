@@ -2,9 +2,9 @@
 
 ``DTORCH_COMM_PATH``:
 - ``auto`` (default): equal-size collectives for equal pieces, the variable-size ``v``/``w``
-  collectives for unequal ones: ``Allgatherv`` for unequal contiguous gathers below 512 KB,
-  ``Alltoallw`` from there (MPICH's ``Allgatherv`` is 2-40x slower there; see
-  comm/mpi_backend.py ``UNEVEN_GATHER_W_FROM`` and scripts/bench_redistribute.py).
+  collectives for unequal ones (``Allgatherv`` for unequal contiguous gathers, ``Alltoallw``
+  for unequal inner-axis ones; comm/routes.py). Equal all-to-all blocks take ``Alltoallv``
+  from 1 MB, like ``variable`` (comm/mpi_backend.py ``ALLTOALLV_FROM``).
 - ``padded``: always pad to equal sizes, the path NCCL needs; selectable on CPU so CI runs it.
 - ``variable``: always the variable-size collectives.
 ``DTORCH_GPU_BACKEND``: ``auto`` or a registered ``"cuda"`` backend (``nccl`` | ``cuda-aware-mpi``

@@ -5,7 +5,11 @@
 Collectives are started nonblocking and waited on by polling ``Test``: MPI has no timed wait,
 and a blocking call cannot be interrupted. The loop spins (MPICH's own blocking wait spins
 too, and nonblocking collectives progress only inside MPI calls); every 16 polls it yields
-the CPU (``sched_yield``, so a peer rank sharing the core runs) and reads the clock.
+the CPU (``sched_yield``, so a peer rank sharing the core runs) and reads the clock. With the
+deadline off the same loop runs without the clock: the calls MPI sees do not depend on the
+setting, and the polled nonblocking forms are as fast as MPICH 5's blocking ones or faster
+(``Allgatherv`` 2-3.5x faster at 1-64 MB, far more on a busy machine; ``Alltoallv`` 1.3-1.7x;
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -51,17 +55,13 @@ def call_site() -> str:
 def wait_request(request: MPI.Request, what: str) -> None:
     """Wait until ``request`` completes, or raise ``CollectiveTimeoutError`` naming ``what``."""
     limit = collective_timeout()
-    if limit <= 0:
-        request.Wait()
-        return
     start = time.monotonic()
     polls = 0
     while not request.Test():
         polls += 1
         if polls % 16 == 0:
             os.sched_yield()  # let a peer rank sharing this core run (blocking MPI waits yield too)
-            waited = time.monotonic() - start
-            if waited > limit:
+            if limit > 0 and time.monotonic() - start > limit:
                 raise CollectiveTimeoutError(
                     f"{what} did not complete within DTORCH_COLLECTIVE_TIMEOUT={limit:g}s "
                     f"(started at {call_site()}, rank {MPI.COMM_WORLD.Get_rank()}): some rank of the group "

@@ -20,7 +20,6 @@ from mpi4py import MPI
 from ..dtypes import WIDENED, element_type, reduction_type
 from . import pool
 from .config import comm_path
-from .deadline import collective_timeout
 from .group import Group
 from .layout import offsets, view3, with_dim
 from .reduce_ops import nan_aware_op
@@ -75,15 +74,6 @@ datatype (cached, ``_strided_block_type``) instead of a NumPy pack and unpack: 0
 pack + ``Alltoall`` + unpack at 1-25 KB; from 36 KB MPICH 5's datatype engine on the send side
 is 2.2-3.3x, on the receive side 0.95-1.3x (2 ranks)."""
 
-UNEVEN_GATHER_W_FROM = 512 << 10
-"""``auto`` path: from this output size on (bytes, the same on every rank), an uneven contiguous
-gather is an ``Alltoallw`` with the own block copied locally, straight into the output. MPICH 5's
-``Allgatherv`` is 1.9-2.9x a padded ``Allgather`` from 1 MB at 2-4 ranks, and 9-40x on a busy
-machine at 3-4 ranks (its ring waits on every peer in turn); the ``Alltoallw`` is 0.7-1.1x, with
-no padded copy (peak 1x the output, not 2.5x). Below it ``Allgatherv`` is as fast or faster
-(scripts/bench_redistribute.py, /work/notes/perfcomm.md)."""
-
-
 def _xp(a: Any) -> Any:
     """The array module of ``a`` (CuPy buffers go to a CUDA-aware MPI as they are)."""
     if type(a) is np.ndarray:
@@ -116,8 +106,7 @@ def _contiguous(a: Any) -> Any:
 
 
 def _gather_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
-    route = _gather_layout(path, out.shape, facts["axis"], tuple(facts["sizes"]), out.dtype.itemsize,
-                           UNEVEN_GATHER_W_FROM)[3]
+    route = _gather_layout(path, out.shape, facts["axis"], tuple(facts["sizes"]), out.dtype.itemsize)[3]
     return route.value, route.padded
 
 
@@ -158,29 +147,25 @@ class MPIBackend:
         self,
         what: str,
         async_op: bool,
-        blocking: Callable[..., None],
-        nonblocking: Callable[..., MPI.Request],
+        start: Callable[..., MPI.Request],
         args: tuple[Any, ...],
         finish: Callable[[], Any],
         keep: tuple[Any, ...],
         **kwargs: Any,
     ) -> Work | Done:
-        """Start the collective ``blocking(*args, **kwargs)`` (an mpi4py method; ``nonblocking``
-        its ``I`` form): nonblocking when asked (a handle, progressed in the background); with
-        the deadline on, nonblocking and waited here at once, bounded by it; a plain blocking
-        call when DTORCH_COLLECTIVE_TIMEOUT=0. (Methods and arguments, not closures: made on
-        every call.)"""
+        """Start the collective ``start(*args, **kwargs)`` (an mpi4py ``I`` method): a handle
+        progressed in the background when ``async_op``, else waited here at once (bounded by the
+        collective deadline when it is on). Never MPI's blocking form: the same calls whatever
+        the deadline, and polled nonblocking calls are as fast or faster with MPICH (comm/deadline.py).
+        (Methods and arguments, not closures: made on every call.)"""
         reap()
         if self.device_buffers:
             _sync_device(keep)
         if async_op:
-            work = Work(nonblocking(*args, **kwargs), finish, keep, what)
+            work = Work(start(*args, **kwargs), finish, keep, what)
             progress_in_background()
             return work
-        if collective_timeout() > 0:
-            return waited(nonblocking(*args, **kwargs), finish, keep, what)
-        blocking(*args, **kwargs)
-        return Done(finish())
+        return waited(start(*args, **kwargs), finish, keep, what)
 
     # -- all-gather ----------------------------------------------------------------------
     def all_gather(
@@ -195,8 +180,7 @@ class MPIBackend:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
         item = out.dtype.itemsize
-        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, tuple(sizes), item,
-                                                           UNEVEN_GATHER_W_FROM)
+        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, tuple(sizes), item)
         send = _contiguous(send)
         etype = element_type(item)
         comm = group.comm
@@ -205,7 +189,7 @@ class MPIBackend:
             return self._run(
                 _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                comm.Allgather, comm.Iallgather, ([send, count, etype], [out, count, etype]),
+                comm.Iallgather, ([send, count, etype], [out, count, etype]),
                 lambda: out, (send, out),
             )
         if route is _GATHER_PADDED_COMPACT:
@@ -229,7 +213,7 @@ class MPIBackend:
             return self._run(
                 _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                comm.Allgather, comm.Iallgather, ([pad_send, count, etype], [pad_out, rcount, rtype]),
+                comm.Iallgather, ([pad_send, count, etype], [pad_out, rcount, rtype]),
                 finish, (pad_send, pad_out, out),
             )
         if route is _GATHER_V:
@@ -239,7 +223,7 @@ class MPIBackend:
             return self._run(
                 _what("all_gather", group.mesh_dim, group.size),
                 async_op,
-                comm.Allgatherv, comm.Iallgatherv, ([send, send.size, etype], spec),
+                comm.Iallgatherv, ([send, send.size, etype], spec),
                 lambda: out, (send, out),
             )
         # the own block is NumPy's strided copy, the others MPI's datatype engine writes in
@@ -257,7 +241,7 @@ class MPIBackend:
         return self._run(
             _what("all_gather", group.mesh_dim, group.size),
             async_op,
-            comm.Alltoallw, comm.Ialltoallw, (sspec, rspec),
+            comm.Ialltoallw, (sspec, rspec),
             lambda: out, (send, out, rtypes),
         )
 
@@ -289,7 +273,7 @@ class MPIBackend:
         return self._run(
             _what("all_gather", group.mesh_dim, group.size),
             async_op,
-            comm.Allgather, comm.Iallgather, ([pad_send, mx, etype], [buf, mx, etype]),
+            comm.Iallgather, ([pad_send, mx, etype], [buf, mx, etype]),
             finish, (pad_send, buf),
         )
 
@@ -335,7 +319,7 @@ class MPIBackend:
             return self._run(
                 _what("all_to_all", group.mesh_dim, group.size),
                 async_op,
-                comm.Alltoall, comm.Ialltoall, (sbuf, rbuf),
+                comm.Ialltoall, (sbuf, rbuf),
                 finish, (pack, unpack, send, out, sbuf, rbuf),
             )
         sspec = [pack, lay.send_spec, etype]
@@ -343,7 +327,7 @@ class MPIBackend:
         return self._run(
             _what("all_to_all", group.mesh_dim, group.size),
             async_op,
-            comm.Alltoallv, comm.Ialltoallv, (sspec, rspec),
+            comm.Ialltoallv, (sspec, rspec),
             finish, (pack, unpack, send, out),
         )
 
@@ -370,7 +354,7 @@ class MPIBackend:
         return self._run(
             _what("all_reduce", group.mesh_dim, group.size),
             async_op,
-            comm.Allreduce, comm.Iallreduce, ([src, mtype], [dst, mtype]),
+            comm.Iallreduce, ([src, mtype], [dst, mtype]),
             finish, (src, dst, out), op=op,
         )
 
@@ -412,13 +396,12 @@ class MPIBackend:
 
         if width is not None:
             count = outer * width * inner
-            calls: tuple[Callable[..., Any], Callable[..., MPI.Request]] = (
-                comm.Reduce_scatter_block, comm.Ireduce_scatter_block)
+            start: Callable[..., MPI.Request] = comm.Ireduce_scatter_block
             args: tuple[Any, ...] = ([pack, mtype], [dst, count, mtype])
         else:
-            calls = comm.Reduce_scatter, comm.Ireduce_scatter
+            start = comm.Ireduce_scatter
             args = ([pack, mtype], [dst, mtype], counts)
-        return self._run(_what("reduce_scatter", group.mesh_dim, group.size), async_op, *calls, args, finish,
+        return self._run(_what("reduce_scatter", group.mesh_dim, group.size), async_op, start, args, finish,
                          (pack, dst, out), op=op)
 
     # -- one-to-all ----------------------------------------------------------------------
@@ -429,7 +412,7 @@ class MPIBackend:
         return self._run(
             _what("broadcast", group.mesh_dim, group.size),
             async_op,
-            comm.Bcast, comm.Ibcast, ([buf, buf.size, etype],),
+            comm.Ibcast, ([buf, buf.size, etype],),
             lambda: buf, (buf,), root=root,
         )
 
@@ -468,14 +451,14 @@ class MPIBackend:
 
         if padded:
             count = outer * width * inner
-            calls: tuple[Callable[..., Any], Callable[..., MPI.Request]] = (comm.Scatter, comm.Iscatter)
+            start: Callable[..., MPI.Request] = comm.Iscatter
             args: tuple[Any, ...] = ([pack, count, etype], [recv, count, etype])
         else:
             counts = [outer * n * inner for n in sizes]
             sspec = [pack, (counts, offsets(counts)), etype]
-            calls = comm.Scatterv, comm.Iscatterv
+            start = comm.Iscatterv
             args = (sspec, [recv, recv.size, etype])
-        return self._run(_what("scatter", group.mesh_dim, group.size), async_op, *calls, args, finish,
+        return self._run(_what("scatter", group.mesh_dim, group.size), async_op, start, args, finish,
                          (pack, recv, out), root=root)
 
 
@@ -508,12 +491,11 @@ def _reduction(dtype: np.dtype, reduce_op: str, host: bool) -> tuple[MPI.Datatyp
 
 @lru_cache(maxsize=1024)
 def _gather_layout(path: str, out_shape: tuple[int, ...], axis: int, sizes: tuple[int, ...],
-                   itemsize: int, w_from: int) -> tuple[int, int, int, Route, list[int]]:
+                   itemsize: int) -> tuple[int, int, int, Route, list[int]]:
     """An all-gather's ``(outer, length, inner)`` view, route and block offsets: a pure function
-    of its arguments (the threshold too, so a changed one is never served from the cache),
-    computed once instead of per call."""
+    of its arguments, computed once instead of per call."""
     outer, length, inner = view3(out_shape, axis)
-    route = gather_route(path, sizes, outer, prod(out_shape) * itemsize, w_from)
+    route = gather_route(path, sizes, outer, prod(out_shape) * itemsize)
     return outer, length, inner, route, offsets(sizes)
 
 
