@@ -15,7 +15,8 @@ from math import prod
 
 
 class Route(Enum):
-    """A collective's MPI-level realisation; the value starts with the mpi4py method it makes."""
+    """A collective's MPI-level realisation; the value starts with the MPI collective it makes
+    (always started in its nonblocking ``I`` form, comm/deadline.py)."""
 
     NOTHING = "nothing moves"
     GATHER_EQUAL = "Allgather"
