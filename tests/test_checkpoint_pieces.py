@@ -1,5 +1,5 @@
-"""The checkpoint's fast check (pieces.py): a load whose every read region is one piece the save
-wrote verifies with that piece's xxh3, any other load with lin64; both load NumPy-identical
+"""The checkpoint's fast check (pieces.py): a load whose every read region is tiled by pieces the
+save wrote verifies with those pieces' xxh3, any other load with lin64; both load NumPy-identical
 values, both catch a flipped byte with nothing changed, and a damaged or forged piece table is
 refused by name or falls back to lin64, never passing damaged data. Runs on both HDF5 stacks."""
 
@@ -38,10 +38,19 @@ def region(t: dt.DTensor, writer: bool) -> tuple[Any, ...] | None:
 
 
 def expected_kind(saved: dt.DTensor, target: dt.DTensor) -> str:
-    """The rule, from every rank's regions: xxh3 when each non-empty region read is one written."""
+    """The rule, from every rank's regions: xxh3 when no written piece reaches partly into a
+    non-empty region read (the written pieces cover the array once, so they then tile it)."""
     written = {r for r in WORLD.allgather(region(saved, writer=True)) if r is not None}
     read = {r for r in WORLD.allgather(region(target, writer=False)) if r is not None}
-    return "xxh3" if written and read <= written else "lin64"
+
+    def partly_in(piece: tuple[Any, ...], box: tuple[Any, ...]) -> bool:
+        (po, ps), (bo, bs) = piece, box
+        overlaps = all(p < b + n and b < p + m for p, m, b, n in zip(po, ps, bo, bs))
+        inside = all(b <= p and p + m <= b + n for p, m, b, n in zip(po, ps, bo, bs))
+        return overlaps and not inside
+
+    tiled = all(not partly_in(w, r) for w in written for r in read)
+    return "xxh3" if written and tiled else "lin64"
 
 
 def sharded(full: np.ndarray, mesh: dt.DeviceMesh, plc: list[dt.Placement]) -> dt.DTensor:
@@ -49,10 +58,11 @@ def sharded(full: np.ndarray, mesh: dt.DeviceMesh, plc: list[dt.Placement]) -> d
 
 
 @pytest.mark.parametrize("staging", STAGINGS)
-def test_same_layout_takes_xxh3_and_any_other_lin64(staging: str, mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
-                                                     shared_dir: str, check: Checker) -> None:
+def test_tiled_regions_take_xxh3_and_any_other_lin64(staging: str, mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                                      shared_dir: str, check: Checker) -> None:
     """Every saved layout loaded into every layout of the same mesh: values equal NumPy's, and
-    the check each dataset took is the rule's (same layout, non-empty: xxh3)."""
+    the check each dataset took is the rule's (non-empty and the same layout or a replicated
+    target: xxh3)."""
     path = os.path.join(shared_dir, "ck.h5")
     for mesh, layouts in ((mesh1d, LAYOUTS_1D), (mesh2d, LAYOUTS_2D)):
         for shape in ((0, 3), (1, 4), (SIZE + 1, 5), (2 * SIZE + 1, 3), (7, 2 * SIZE - 1)):
@@ -67,8 +77,8 @@ def test_same_layout_takes_xxh3_and_any_other_lin64(staging: str, mesh1d: dt.Dev
                     check.equal(v.to_torch(), fulls[k], what)
                     want = expected_kind(saved[k], v)
                     check.true(reader.VERIFIED[k] == want, f"{what}: verified by {reader.VERIFIED[k]}, expected {want}")
-                    if list(saved[k].placements) == plc and all(shape):
-                        check.true(want == "xxh3", f"{what}: the same layout takes the fast check")
+                    if (list(saved[k].placements) == plc or all(p.is_replicate() for p in plc)) and all(shape):
+                        check.true(want == "xxh3", f"{what}: the same layout and a replicated one take the fast check")
     check.done()
 
 
@@ -89,7 +99,7 @@ def _flip(path: str, name: str, at: int) -> None:
 
 
 @pytest.mark.parametrize("staging", STAGINGS)
-@pytest.mark.parametrize("target", ["same", "other"])
+@pytest.mark.parametrize("target", ["same", "other", "replicated"])
 def test_a_flipped_byte_fails_on_either_check_and_changes_nothing(target: str, staging: str, mesh1d: dt.DeviceMesh,
                                                                    shared_dir: str) -> None:
     shape = (2 * SIZE + 1, 3)
@@ -98,13 +108,13 @@ def test_a_flipped_byte_fails_on_either_check_and_changes_nothing(target: str, s
     if RANK == 0:
         _flip(path, "w", 8 * shape[1] * (shape[0] - 1) + 5)  # in the last rank's piece
     WORLD.Barrier()
-    plc = [dt.Shard(0)] if target == "same" else [dt.Shard(1)]
+    plc = {"same": [dt.Shard(0)], "other": [dt.Shard(1)], "replicated": [dt.Replicate()]}[target]
     tgt = dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=plc)
     kept = tgt.to_local()
     with pytest.raises(dt.CheckpointError, match="checksum mismatch in dataset /w"):
         dt.load(path, {"w": tgt}, staging=staging)
     assert tgt.to_local() is kept and not kept.any(), "a failed load changed the target"
-    want = "xxh3" if target == "same" or SIZE == 1 else "lin64"
+    want = "lin64" if target == "other" and SIZE > 1 else "xxh3"
     assert list(reader.VERIFIED.items()) == [("w", want)], reader.VERIFIED
 
 
@@ -154,6 +164,7 @@ FORGED = {  # kind -> (edit of the table, the error it must raise, or None: load
     "other_digest": (lambda t, ds: np.column_stack([t[:, :-1], t[:, -1] ^ np.uint64(1)]),
                      "checksum mismatch in dataset /w"),
     "missing": (lambda t, ds: None, None),
+    "overlapping_piece": (lambda t, ds: np.vstack([t, np.array([[0, 0, 1, 3, 0]], np.uint64)]), None),
     "other_split": (lambda t, ds: np.array([[0, 0, 1, 3, 0]], np.uint64) if ds.shape[0] > 1 else None, None),
 }
 
@@ -260,3 +271,48 @@ def test_a_table_over_the_limit_is_not_written(mesh1d: dt.DeviceMesh, shared_dir
     dt.load(path, {"w": tgt})
     assert list(reader.VERIFIED.items()) == [("w", "lin64")], reader.VERIFIED
     assert np.array_equal(tgt.to_torch(), full)
+
+
+def _table(rows: list[list[int]]) -> np.ndarray:
+    return np.array(rows, dtype=np.uint64)
+
+
+def test_tiling_takes_only_exact_tilings() -> None:
+    """pieces.tiling: the pieces inside a region that cover it once (offsets relative to it);
+    None for a piece reaching partly in, overlaps or gaps, and no table; () for an empty region."""
+    from dtorch_mpi.checkpoint.pieces import tiling
+
+    rows = _table([[0, 0, 2, 6, 11], [2, 0, 2, 6, 22]])  # a (4, 6) dataset in two row blocks
+    assert tiling(rows, (0, 0), (4, 6)) == (((0, 0), (2, 6), 11), ((2, 0), (2, 6), 22))
+    assert tiling(rows, (2, 0), (2, 6)) == (((0, 0), (2, 6), 22),)
+    assert tiling(rows, (0, 0), (3, 6)) is None  # the second block reaches partly in
+    assert tiling(rows, (0, 0), (4, 3)) is None  # both do
+    assert tiling(rows, (1, 0), (0, 6)) == ()
+    assert tiling(None, (0, 0), (4, 6)) is None
+    overlap_and_gap = _table([[0, 0, 2, 4, 1], [0, 2, 2, 4, 2]])  # same volume as (2, 8), cols 2-4 twice, 6-8 never
+    assert tiling(overlap_and_gap, (0, 0), (2, 8)) is None
+    assert tiling(_table([[0, 0, 1, 8, 1]]), (0, 0), (2, 8)) is None  # a gap
+    assert tiling(_table([[7]]), (), ()) == (((), (), 7),)  # 0-d
+
+
+@pytest.mark.parametrize("slab", [1 << 20, 8], ids=["whole", "row-slabs"])
+def test_tile_digests_match_each_pieces_digest_in_any_chunking(slab: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row blocks and strided column blocks of a region, fed whole or in row chunks: each tile's
+    digest is the xxh3 of its piece (as the save computed it); one changed element is caught."""
+    from dtorch_mpi.checkpoint import pieces
+    from dtorch_mpi.checkpoint.checksum import digest
+
+    monkeypatch.setattr(pieces, "SLAB_BYTES", slab)
+    full = full_value((5, 7), 2).astype(">f4")  # big-endian: hashed in canonical (little-endian) form
+    for cuts in ([(0, 0, 2, 7), (2, 0, 3, 7)], [(0, 0, 5, 3), (0, 3, 5, 4)], [(0, 0, 5, 7)]):
+        tiles = tuple(((o0, o1), (n0, n1), digest(full[o0 : o0 + n0, o1 : o1 + n1])) for o0, o1, n0, n1 in cuts)
+        for chunk in (5, 2, 1):
+            digests = pieces.TileDigests(tiles)
+            for row in range(0, 5, chunk):
+                digests.update(row, full[row : row + chunk])
+            assert not digests.mismatched(), (cuts, chunk)
+        damaged = full.copy()
+        damaged[4, 6] += 1
+        digests = pieces.TileDigests(tiles)
+        digests.update(0, damaged)
+        assert digests.mismatched(), cuts

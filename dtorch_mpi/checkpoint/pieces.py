@@ -1,5 +1,7 @@
 """Piece tables: the hyperslabs a save wrote, each with the ``xxh3_64`` of its bytes, so that a
-load reading exactly those pieces verifies at memory speed (the fast path of checksum.py).
+load whose regions are made of whole written pieces verifies at memory speed (the fast path of
+checksum.py): the layout that saved, and any coarser one (fewer shards, a replicated target,
+a complete array), since the pieces inside such a region tile it.
 
 A dataset may carry the attribute ``pieces``: a uint64 array of shape ``(n, 2 * ndim + 1)``,
 one row per non-empty written piece: its global offset (``ndim`` values), its shape (``ndim``)
@@ -10,23 +12,27 @@ is not written, and neither is an empty one: such datasets load with lin64.
 
 A checkpoint is untrusted: ``check`` refuses a table of the wrong type or shape, a piece that is
 empty or reaches outside the dataset, and a region listed twice. A table only chooses which
-check runs: a region read that is not exactly one listed piece is verified with lin64.
+check runs: a region read that its listed pieces do not tile exactly (one reaching partly into
+it, two overlapping, a gap) is verified with lin64.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import prod
 from typing import Any
 
 import numpy as np
 
 from ..comm.deadline import wait_request
 from ..errors import CheckpointError
-from .checksum import combine
+from .checksum import canonical, combine, running_digest
 
 ATTRIBUTE = "pieces"
 MAX_TABLE_BYTES = 1 << 15
+SLAB_BYTES = 1 << 20  # a strided part of a tile is hashed in contiguous copies of about this size
 Piece = tuple[tuple[int, ...], tuple[int, ...], Any]  # (global offset, shape, data) of one written hyperslab
+Tile = tuple[tuple[int, ...], tuple[int, ...], int]  # (offset in the region read, shape, recorded digest)
 
 
 def record(term: int, ndim: int, piece: Piece | None, digest: int) -> np.ndarray:
@@ -89,10 +95,62 @@ def check(value: Any, shape: tuple[int, ...], what: str) -> np.ndarray:
     return table
 
 
-def expected(table: np.ndarray | None, offset: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
-    """The recorded digest of the piece exactly at ``offset`` with ``shape``, or None (no such piece)."""
+def tiling(table: np.ndarray | None, offset: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Tile, ...] | None:
+    """The recorded pieces that tile the region at ``offset`` with ``shape`` exactly (offsets
+    relative to the region), or None when they do not (or there is no table): a piece reaching
+    partly into the region, two pieces overlapping, or a gap. An empty region needs none: ()."""
     if table is None:
         return None
-    region = np.array([*offset, *shape], dtype=np.uint64)
-    hit = np.flatnonzero((table[:, : region.size] == region).all(axis=1))
-    return int(table[hit[0], -1]) if hit.size else None
+    if not prod(shape):
+        return ()
+    ndim = len(shape)
+    lo = np.array(offset, dtype=np.uint64)
+    hi = lo + np.array(shape, dtype=np.uint64)
+    starts, sizes = table[:, :ndim], table[:, ndim : 2 * ndim]
+    ends = starts + sizes  # no overflow: ``check`` keeps every piece inside the dataset
+    inside = ((starts >= lo) & (ends <= hi)).all(axis=1)
+    if (((starts < hi) & (ends > lo)).all(axis=1) & ~inside).any():
+        return None
+    starts, sizes, ends, digests = starts[inside], sizes[inside], ends[inside], table[inside, -1]
+    if sum(prod(int(n) for n in row) for row in sizes) != prod(shape):
+        return None
+    apart = ((ends[:, None, :] <= starts[None, :, :]) | (ends[None, :, :] <= starts[:, None, :])).any(axis=2)
+    if not (apart | np.eye(len(starts), dtype=bool)).all():  # disjoint, and the volumes add up: a tiling
+        return None
+    return tuple((tuple(int(a - b) for a, b in zip(start, offset)), tuple(int(n) for n in size), int(d))
+                 for start, size, d in zip(starts, sizes, digests))
+
+
+class TileDigests:
+    """The running ``xxh3_64`` of each tile of a region, fed the region's rows in order (the
+    whole region at once, or chunks along its first dim): a tile's rows arrive in order, so its
+    digest is that of its bytes in C order, as the save computed it."""
+
+    def __init__(self, tiles: tuple[Tile, ...]) -> None:
+        self._tiles = tiles
+        self._hashers = [running_digest() for _ in tiles]
+
+    def update(self, row: int, block: np.ndarray) -> None:
+        """Add ``block``: the region's rows from ``row`` on (a 0-d region is one block)."""
+        for (offset, shape, _), hasher in zip(self._tiles, self._hashers):
+            if not shape:
+                hasher.update(canonical(block))
+                continue
+            lo, hi = max(offset[0], row), min(offset[0] + shape[0], row + block.shape[0])
+            if lo < hi:
+                part = block[(slice(lo - row, hi - row),) + tuple(slice(o, o + n) for o, n in zip(offset[1:], shape[1:]))]
+                for slab in _slabs(part):
+                    hasher.update(canonical(slab))
+
+    def mismatched(self) -> bool:
+        """Whether any tile's bytes differ from its recorded digest."""
+        return any(hasher.intdigest() != digest for (_, _, digest), hasher in zip(self._tiles, self._hashers))
+
+
+def _slabs(part: np.ndarray) -> Any:
+    """``part`` whole when it is contiguous, else in runs of rows of about ``SLAB_BYTES`` (each
+    copied contiguous by ``canonical`` while it is still in cache)."""
+    if part.flags.c_contiguous:
+        return (part,)
+    step = max(1, SLAB_BYTES // max(1, part[:1].nbytes))
+    return (part[i : i + step] for i in range(0, part.shape[0], step))

@@ -4,11 +4,12 @@ then installed, so a failed load changes nothing.
 Every rank reads its own hyperslab in the file's dtype and checks it in one of two ways, the
 same for a dataset on every rank:
 
-- ``"xxh3"`` (fast path): when every rank's region is exactly one piece of the dataset's piece
-  table (pieces.py; e.g. a load into the layout that saved it), each rank compares the
-  ``xxh3_64`` of what it read with that piece's digest. Each rank decides from the table and its
-  own region; one small Allreduce makes the choice common (a rank's verdict alone would not do:
-  lin64 needs every rank's term).
+- ``"xxh3"`` (fast path): when every rank's region is tiled exactly by pieces of the dataset's
+  piece table (pieces.py; e.g. a load into the layout that saved it, or into a coarser one: fewer
+  shards, a replicated target), each rank compares the ``xxh3_64`` of each tile of what it read
+  with that piece's digest. Each rank decides from the table and its own region; one small
+  Allreduce makes the choice common (a rank's verdict alone would not do: lin64 needs every
+  rank's term).
 - ``"lin64"`` otherwise: each rank adds its checksum term (checksum.py), and each dataset's sum
   must equal its stored checksum times the number of ranks that read each element (replicas
   all read and all verify).
@@ -47,13 +48,14 @@ from ..placement import Partial, Replicate
 from ..redistribute import array_namespace
 from ..spmd import agreed
 from . import pieces
-from .checksum import MASK, canonical, checksum, digest, gathered_sums, running_digest
+from .checksum import MASK, checksum, digest, gathered_sums
 from .validate import Entry
 
 STAGING = ("all", "chunks")
 CHUNK_BYTES = 16 << 20
 
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, shape) of one hyperslab read
+Tiles = tuple[pieces.Tile, ...]  # the recorded pieces tiling one region read (pieces.tiling)
 VERIFIED: dict[str, str] = {}
 """Dataset key -> ``"xxh3"`` or ``"lin64"``: the check chosen for each DTensor dataset of this
 rank's latest load (set once the choice is agreed, before reading: a load that then fails
@@ -61,7 +63,7 @@ still shows its choice; complete arrays and scalars are not listed)."""
 
 
 def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str], path: str,
-                  staging: str, mine: Mapping[str, int | None]) -> None:
+                  staging: str, mine: Mapping[str, Tiles | None]) -> None:
     """Read ``keys`` from ``entries`` into ``params`` (agreed on every rank); ``mine`` is
     ``own_checks`` (computed by the caller inside its agreed validation)."""
     world = library_world()
@@ -94,23 +96,18 @@ def _attempt(read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Except
         return {}, exc
 
 
-def own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, int | None]:
-    """Each dataset's recorded digest of this rank's region (0 when it reads nothing: nothing to
-    check), or None when the region is not exactly one recorded piece (or there is no table)."""
-    mine: dict[str, int | None] = {}
+def own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, Tiles | None]:
+    """Each dataset's recorded pieces tiling this rank's region (none when it reads nothing:
+    nothing to check), or None when they do not tile it (or there is no table)."""
+    mine: dict[str, Tiles | None] = {}
     for key in keys:
         block, table = _hyperslab(params[key]), entries[key].pieces
-        if table is None:
-            mine[key] = None
-        elif block is None or not prod(block[1]):
-            mine[key] = 0
-        else:
-            mine[key] = pieces.expected(table, *block)
+        mine[key] = pieces.tiling(table, *block) if block is not None else () if table is not None else None
     return mine
 
 
-def _common_checks(world: Any, mine: Mapping[str, int | None], keys: list[str]) -> dict[str, int | None]:
-    """The fast check for a dataset only where every rank's region is a recorded piece: one
+def _common_checks(world: Any, mine: Mapping[str, Tiles | None], keys: list[str]) -> dict[str, Tiles | None]:
+    """The fast check for a dataset only where recorded pieces tile every rank's region: one
     Allreduce (MIN of the ranks' flags) gives every rank the same choice; None means lin64."""
     flags = np.array([mine[key] is not None for key in keys], dtype=np.int8)
     every = np.empty_like(flags)
@@ -167,15 +164,18 @@ def _filler(param: Any) -> np.ndarray | None:
     return xp.full(shape, identity_value(param.dtype, op), dtype=param.dtype)
 
 
-def _term(raw: np.ndarray, offset: tuple[int, ...], shape: tuple[int, ...], expected: int | None) -> int:
-    """What this rank contributes to the verdict on a block it read: its lin64 term (``expected``
-    None), or 1 if its xxh3 is not the recorded one (0 for an empty block: nothing to check)."""
-    if expected is None:
+def _term(raw: np.ndarray, offset: tuple[int, ...], shape: tuple[int, ...], tiles: Tiles | None) -> int:
+    """What this rank contributes to the verdict on a block it read at ``offset`` of a dataset of
+    ``shape``: its lin64 term (``tiles`` None), or 1 if a tile's xxh3 is not the recorded one
+    (0 for an empty block: nothing to check)."""
+    if tiles is None:
         return checksum(raw, offset, shape)
-    return int(raw.size > 0 and digest(raw) != expected)
+    digests = pieces.TileDigests(tiles)
+    digests.update(0, raw)
+    return int(digests.mismatched())
 
 
-def _read_all(param: Any, ds: Any, expected: int | None) -> tuple[Any, int]:
+def _read_all(param: Any, ds: Any, expected: Tiles | None) -> tuple[Any, int]:
     """This rank's whole piece (in the parameter's dtype and array type) and its verdict term."""
     block = _hyperslab(param)
     if block is None:
@@ -201,24 +201,26 @@ def _chunks(param: Any, ds: Any) -> Iterator[tuple[tuple[int, ...], np.ndarray]]
         yield sub_offset, _read(ds, sub_offset, (min(step, shape[0] - start), *shape[1:]))
 
 
-def _first_pass(param: Any, ds: Any, expected: int | None) -> tuple[list[int], int]:
+def _first_pass(param: Any, ds: Any, expected: Tiles | None) -> tuple[list[int], int]:
     """``"chunks"``, first pass: each chunk's xxh3 (for the second pass) and this rank's verdict
-    term (lin64 terms summed, or the xxh3 of all chunks in turn against the recorded digest)."""
+    term (lin64 terms summed, or each tile's xxh3 over the chunks in turn against its digest)."""
     marks: list[int] = []
-    term, whole = 0, running_digest()
+    term = 0
+    digests = None if expected is None else pieces.TileDigests(expected)
+    block = _hyperslab(param)
     for off, raw in _chunks(param, ds):
         marks.append(digest(raw))
-        if expected is None:
+        if digests is None:
             term += checksum(raw, off, param.shape)
         else:
-            whole.update(canonical(raw))
-    if expected is not None and marks:
-        term = int(whole.intdigest() != expected)
+            digests.update(off[0] - block[0][0] if off else 0, raw)  # type: ignore[index]
+    if digests is not None:
+        term = int(digests.mismatched())
     return marks, term & MASK
 
 
 def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, Any],
-            entries: Mapping[str, Entry], expect: Mapping[str, int | None], path: str,
+            entries: Mapping[str, Entry], expect: Mapping[str, Tiles | None], path: str,
             problem: Exception | None) -> None:
     """Gather every rank's terms and status (``problem``: its reads failed); the same verdict
     (and error) on every rank (xxh3: no rank saw a mismatch; lin64: the terms add up to the
@@ -238,8 +240,8 @@ def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
     shape = tuple(ds.shape)
     origin = (0,) * len(shape)
     raw = _read(ds, origin, shape)
-    expected = pieces.expected(entry.pieces, origin, shape)
-    if _term(raw, origin, shape, expected) != (entry.checksum if expected is None else 0):
+    tiles = pieces.tiling(entry.pieces, origin, shape)
+    if _term(raw, origin, shape, tiles) != (entry.checksum if tiles is None else 0):
         raise CheckpointError(f"{path}: checksum mismatch in dataset /{key.replace('.', '/')}: the data is damaged "
                               f"(or was never fully written); nothing was loaded")
     return raw
