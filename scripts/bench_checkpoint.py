@@ -11,9 +11,12 @@ alternating. Target: ratio <= 1.3.
 
 "load" reads into the layout that saved the file (Shard(0)): every rank's region is one piece
 the save recorded, so it is verified with that piece's xxh3. "load resharded" reads into
-Shard(1) (the raw read then reads the same column blocks): the regions are not pieces, so it is
-verified with lin64, as is "load no table" (the same reads as "load", from a copy of the file
-without piece tables, as written before them). The "verified by" line says which check each took.
+Shard(1) (the raw read then reads the same column blocks): written pieces reach partly into the
+regions, so it is verified with lin64, as is "load no table" (the same reads as "load", from a
+copy of the file without piece tables, as written before them). "load replicated" reads the
+whole of every dataset on every rank (a Replicate target; the raw read reads it whole too): the
+written pieces tile it, so each is checked by its xxh3. The "verified by" line says which check
+each took.
 
 Beside each time, the peak memory the call allocates (tracemalloc, which sees NumPy buffers;
 largest rank, in a separate untimed call). Then the cost of the per-dataset checksums (the
@@ -67,7 +70,7 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=8)
     ap.add_argument("--reps", type=int, default=21)  # medians of 5 swung 1.1-1.9x on this 2-core machine
     ap.add_argument("--no-raw", action="store_true", help="skip the raw MPI-IO comparison (needs parallel h5py)")
-    ap.add_argument("--ops", default="save,load,load chunks,load resharded,load no table,checksums",
+    ap.add_argument("--ops", default="save,load,load chunks,load resharded,load replicated,load no table,checksums",
                     help="cases to run (comma-separated; 'checksums': the cost of the checks)")
     args = ap.parse_args()
     if not args.no_raw and not h5py.get_config().mpi:
@@ -79,7 +82,7 @@ def main() -> None:
     say(f"ranks={m}  {args.tensors} tensors, float32, Shard(0)  (median of {args.reps}, slowest rank, interleaved)  "
         f"load average {os.getloadavg()[0]:.2f}")
     say("ratio: of the medians; best: of the fastest repeats (the steadier figure on a busy machine)")
-    say(f"{'size':>6} {'op':<14} {'dtorch s':>9} {'raw s':>8} {'ratio':>6} {'best':>5} {'dtorch peak MiB':>16} "
+    say(f"{'size':>6} {'op':<15} {'dtorch s':>9} {'raw s':>8} {'ratio':>6} {'best':>5} {'dtorch peak MiB':>16} "
         f"{'raw peak MiB':>13}")
     for mb in (int(v) for v in args.mb.split(",")):
         rows = (mb << 20) // 4 // args.tensors // 1024
@@ -87,6 +90,7 @@ def main() -> None:
         state = {f"layer{i}.weight": dt.ones(*shape, device_mesh=mesh, placements=[dt.Shard(0)]) for i in range(args.tensors)}
         target = {k: dt.zeros(*shape, device_mesh=mesh, placements=[dt.Shard(0)]) for k in state}
         columns = {k: dt.zeros(*shape, device_mesh=mesh, placements=[dt.Shard(1)]) for k in state}
+        whole = {k: dt.zeros(*shape, device_mesh=mesh, placements=[dt.Replicate()]) for k in state}
         ours_path = os.path.join(directory, "ours.h5")
         raw_path = os.path.join(directory, "raw.h5")
         _, offset = dt.compute_local_shape_and_offset(shape, mesh, [dt.Shard(0)])
@@ -131,11 +135,21 @@ def main() -> None:
             previous[0] = fresh
             return fresh
 
+        def raw_read_whole() -> list[np.ndarray]:
+            fresh = []
+            with h5py.File(raw_path, "r", driver="mpio", comm=WORLD) as f:
+                for k in pieces:
+                    fresh.append(np.empty(shape, dtype=np.float32))
+                    f[k.replace(".", "/")].read_direct(fresh[-1])
+            previous[0] = fresh
+            return fresh
+
         cases: dict[str, tuple[Callable[[], object], Callable[[], object] | None]] = {
             "save": (lambda: dt.save(state, ours_path), None if args.no_raw else raw_write),
             "load": (lambda: dt.load(ours_path, target), None if args.no_raw else raw_read),
             "load chunks": (lambda: dt.load(ours_path, target, staging="chunks"), None if args.no_raw else raw_read),
             "load resharded": (lambda: dt.load(ours_path, columns), None if args.no_raw else raw_read_columns),
+            "load replicated": (lambda: dt.load(ours_path, whole), None if args.no_raw else raw_read_whole),
             "load no table": (lambda: dt.load(old_path, target), None if args.no_raw else raw_read),
         }
         ops = args.ops.split(",")
@@ -163,15 +177,15 @@ def main() -> None:
         for op, (ours, raw) in cases.items():
             t_ours, p_ours = statistics.median(times[(op, 0)]), peak_mib(ours)
             if raw is None:
-                say(f"{mb:>4}MB {op:<14} {t_ours:>9.3f} {'-':>8} {'-':>6} {'-':>5} {p_ours:>16.1f} {'-':>13}")
+                say(f"{mb:>4}MB {op:<15} {t_ours:>9.3f} {'-':>8} {'-':>6} {'-':>5} {p_ours:>16.1f} {'-':>13}")
             else:
                 t_raw, p_raw = statistics.median(times[(op, 1)]), peak_mib(raw)
                 best = min(times[(op, 0)]) / min(times[(op, 1)])
-                say(f"{mb:>4}MB {op:<14} {t_ours:>9.3f} {t_raw:>8.3f} {t_ours / t_raw:>6.2f} {best:>5.2f} {p_ours:>16.1f} "
+                say(f"{mb:>4}MB {op:<15} {t_ours:>9.3f} {t_raw:>8.3f} {t_ours / t_raw:>6.2f} {best:>5.2f} {p_ours:>16.1f} "
                     f"{p_raw:>13.1f}")
         checks = {}
         for op, tgt, file in (("load", target, ours_path), ("load resharded", columns, ours_path),
-                              ("load no table", target, old_path)):
+                              ("load replicated", whole, ours_path), ("load no table", target, old_path)):
             dt.load(file, tgt)
             checks[op] = sorted(set(reader.VERIFIED.values()))
         say(f"{mb:>4}MB verified by: " + ", ".join(f"{op}: {'/'.join(kinds)}" for op, kinds in checks.items()))
