@@ -316,3 +316,19 @@ def test_tile_digests_match_each_pieces_digest_in_any_chunking(slab: int, monkey
         digests = pieces.TileDigests(tiles)
         digests.update(0, damaged)
         assert digests.mismatched(), cuts
+
+
+def test_strided_tiles_are_hashed_in_small_slabs_in_any_dims(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strided tile of a 3-d region (a Shard(2) piece inside a replicated read) is hashed in
+    copies of at most SLAB_BYTES, also when one slice along its first dim is bigger, with the
+    digest of the piece."""
+    from dtorch_mpi.checkpoint import pieces
+    from dtorch_mpi.checkpoint.checksum import digest
+
+    monkeypatch.setattr(pieces, "SLAB_BYTES", 1024)
+    full = full_value((2, 64, 64), 4).astype(np.float32)
+    tile = full[:, :, 16:48]
+    assert max(s.nbytes for s in pieces._slabs(tile)) <= 1024
+    digests = pieces.TileDigests((((0, 0, 16), (2, 64, 32), digest(tile)),))
+    digests.update(0, full)
+    assert not digests.mismatched()

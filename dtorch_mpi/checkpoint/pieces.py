@@ -18,7 +18,7 @@ it, two overlapping, a gap) is verified with lin64.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from math import prod
 from typing import Any
 
@@ -104,6 +104,9 @@ def tiling(table: np.ndarray | None, offset: tuple[int, ...], shape: tuple[int, 
     if not prod(shape):
         return ()
     ndim = len(shape)
+    exact = np.flatnonzero((table[:, : 2 * ndim] == np.array([*offset, *shape], dtype=np.uint64)).all(axis=1))
+    if exact.size:  # one recorded piece is the region (the usual reload): no tiling to work out
+        return (((0,) * ndim, tuple(shape), int(table[exact[0], -1])),)
     lo = np.array(offset, dtype=np.uint64)
     hi = lo + np.array(shape, dtype=np.uint64)
     starts, sizes = table[:, :ndim], table[:, ndim : 2 * ndim]
@@ -114,9 +117,10 @@ def tiling(table: np.ndarray | None, offset: tuple[int, ...], shape: tuple[int, 
     starts, sizes, ends, digests = starts[inside], sizes[inside], ends[inside], table[inside, -1]
     if sum(prod(int(n) for n in row) for row in sizes) != prod(shape):
         return None
-    apart = ((ends[:, None, :] <= starts[None, :, :]) | (ends[None, :, :] <= starts[:, None, :])).any(axis=2)
-    if not (apart | np.eye(len(starts), dtype=bool)).all():  # disjoint, and the volumes add up: a tiling
-        return None
+    if len(starts) > 1:  # pairwise disjoint, and the volumes add up: a tiling
+        apart = ((ends[:, None, :] <= starts[None, :, :]) | (ends[None, :, :] <= starts[:, None, :])).any(axis=2)
+        if not (apart | np.eye(len(starts), dtype=bool)).all():
+            return None
     return tuple((tuple(int(a - b) for a, b in zip(start, offset)), tuple(int(n) for n in size), int(d))
                  for start, size, d in zip(starts, sizes, digests))
 
@@ -147,10 +151,16 @@ class TileDigests:
         return any(hasher.intdigest() != digest for (_, _, digest), hasher in zip(self._tiles, self._hashers))
 
 
-def _slabs(part: np.ndarray) -> Any:
-    """``part`` whole when it is contiguous, else in runs of rows of about ``SLAB_BYTES`` (each
-    copied contiguous by ``canonical`` while it is still in cache)."""
-    if part.flags.c_contiguous:
-        return (part,)
-    step = max(1, SLAB_BYTES // max(1, part[:1].nbytes))
-    return (part[i : i + step] for i in range(0, part.shape[0], step))
+def _slabs(part: np.ndarray) -> Iterator[np.ndarray]:
+    """``part`` in C order as blocks of at most about ``SLAB_BYTES`` (each copied contiguous by
+    ``canonical`` while it is still in cache): whole when contiguous, else runs along its first
+    dim, and a first-dim slice bigger than that is cut along the next dim in turn."""
+    if part.flags.c_contiguous or part.ndim < 2:
+        yield part
+        return
+    step = SLAB_BYTES // max(1, part[:1].nbytes)
+    if step:
+        yield from (part[i : i + step] for i in range(0, part.shape[0], step))
+        return
+    for i in range(part.shape[0]):
+        yield from _slabs(part[i])
