@@ -97,8 +97,11 @@ def reference(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[in
     return int(terms.sum(dtype=np.uint64))
 
 
+@pytest.mark.parametrize("narrow", [0, 1 << 20], ids=["row-sums-first", "column-sums-first"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_lin64_is_pinned(name: str) -> None:
+def test_lin64_is_pinned(name: str, narrow: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case in both reduction orders (the kernel picks one by row width)."""
+    monkeypatch.setattr(ck, "NARROW", narrow)
     dtype, shape, offset, global_shape, pinned = CASES[name]
     block = block_of(name, dtype, shape)
     value = ck.checksum(block, offset, global_shape)
