@@ -151,21 +151,21 @@ def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int
     n_rows, n_cols = words.shape
     col0 = (offset[-1] if block.ndim else 0) * per
     low = _table(COL_SEED)[0]
-    # reused for every step; a step is whole rows of one column window
-    wide = np.empty(min(words.size, max(STEP_WORDS, min(n_cols, DIGIT))), dtype=np.uint64)
+    rows, cols = max(1, STEP_WORDS // n_cols), min(n_cols, STEP_WORDS)  # a tile: widened at once
+    wide = np.empty(min(words.size, rows * cols), dtype=np.uint64)  # reused for every tile
     total = 0
-    for c, width in _windows(col0, n_cols):
-        g = col0 + c
-        cw = low[g % DIGIT : g % DIGIT + width]
-        step = max(1, STEP_WORDS // width)
-        window = 0
-        for r0 in range(0, n_rows, BLOCK_ROWS):
-            rw = _row_weights(r0, min(BLOCK_ROWS, n_rows - r0), block, offset, global_shape)
-            for r in range(0, len(rw), step):
-                part = wide[: min(step, len(rw) - r) * width].reshape(-1, width)
-                np.copyto(part, words[r0 + r : r0 + r + len(part), c : c + width])
-                window += _weighted_sum(part, rw[r : r + len(part)], cw)
-        total += _high_factor(g, COL_SEED) * window
+    for r0 in range(0, n_rows, BLOCK_ROWS):
+        rw = _row_weights(r0, min(BLOCK_ROWS, n_rows - r0), block, offset, global_shape)
+        for r in range(0, len(rw), rows):
+            for c in range(0, n_cols, cols):
+                source = words[r0 + r : r0 + min(r + rows, len(rw)), c : c + cols]
+                tile = wide[: source.size].reshape(source.shape)
+                np.copyto(tile, source)
+                for first, width in _windows(col0 + c, source.shape[1]):  # one weight table slice each
+                    g = col0 + c + first
+                    cw = low[g % DIGIT : g % DIGIT + width]
+                    term = _weighted_sum(tile[:, first : first + width], rw[r : r + len(tile)], cw)
+                    total += _high_factor(g, COL_SEED) * term
     return total & MASK
 
 
