@@ -17,7 +17,7 @@ mod ``2**64``); other damage (zeroed regions, fill values) goes unnoticed with p
 ``2**-32`` or less. It is a check against accidental damage, not a cryptographic hash. Cost: one
 pass that widens tiles of up to 2**18 words to uint64 in one reused 2 MiB buffer (runs that long
 widen about twice as fast as 2**16-word ones) and multiply-adds them window by window with
-``einsum`` (rows of at most 8 words are reduced over rows first: einsum's row sums are slow on
+``einsum`` (rows of at most 7 words are reduced over rows first: einsum's row sums are slow on
 short rows): about 9 GB/s on one core for 4- and 8-byte types, 2.4 GB/s for 1-byte ones (a
 word per element), against 6.9 for zlib.crc32 and 4.1 for adler32 timed in the same run (and
 neither of those can be combined across partitions).
@@ -48,7 +48,7 @@ COL_SEED = 0x6474_6F72_6368_0002
 DIGIT = 1 << 16  # weights are products of 4 table entries, one per 16-bit digit of the index
 STEP_WORDS = 1 << 18  # words widened to uint64 per tile (a reused 2 MiB buffer; 1.4x faster than 512 KiB tiles)
 BLOCK_ROWS = 1 << 17  # rows weighted at a time (bounds the row weights to 1 MiB)
-NARROW = 8  # rows of at most this many words reduce over rows first (einsum's row sums are slow on short rows)
+NARROW = 7  # rows of at most this many words reduce over rows first (einsum's row sums are slow on short rows)
 _WORD: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2")}  # anything wider is cut into 32-bit words
 _tables: dict[int, np.ndarray] = {}
 
