@@ -15,9 +15,12 @@ the same value whatever the partition. Definition, for a dataset of global shape
 Any single flipped bit changes the sum (an odd weight times ``2**b``, ``b < 32``, is never 0
 mod ``2**64``); other damage (zeroed regions, fill values) goes unnoticed with probability about
 ``2**-32`` or less. It is a check against accidental damage, not a cryptographic hash. Cost: one
-pass that widens L2-sized blocks of words to uint64 in one reused buffer and multiply-adds them
-with ``einsum``: 4.5-6 GB/s on one core, at least as fast as zlib.crc32 and twice adler32 timed in
-the same run (and neither of those can be combined across partitions).
+pass that widens tiles of up to 2**18 words to uint64 in one reused 2 MiB buffer (runs that long
+widen about twice as fast as 2**16-word ones) and multiply-adds them window by window with
+``einsum`` (rows of at most 7 words are reduced over rows first: einsum's row sums are slow on
+short rows): about 9 GB/s on one core for 4- and 8-byte types, 2.4 GB/s for 1-byte ones (a
+word per element), against 6.9 for zlib.crc32 and 4.1 for adler32 timed in the same run (and
+neither of those can be combined across partitions).
 
 The fast path (pieces.py): a load that reads exactly the pieces a save wrote needs no partition
 invariance, so beside lin64 every dataset records each written piece's ``xxh3_64`` (``digest``:
@@ -29,7 +32,7 @@ without the table) verifies with lin64, which covers every layout and every file
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from math import prod
 from typing import Any
 
@@ -43,8 +46,9 @@ MASK = (1 << 64) - 1
 ROW_SEED = 0x6474_6F72_6368_0001
 COL_SEED = 0x6474_6F72_6368_0002
 DIGIT = 1 << 16  # weights are products of 4 table entries, one per 16-bit digit of the index
-STEP_WORDS = 1 << 16  # words widened to uint64 at a time (512 KiB, reused: stays in L2)
-BLOCK_ROWS = 1 << 17  # rows weighted at a time (bounds the row sums and weights to 1 MiB each)
+STEP_WORDS = 1 << 18  # words widened to uint64 per tile (a reused 2 MiB buffer; 1.4x faster than 512 KiB tiles)
+BLOCK_ROWS = 1 << 17  # rows weighted at a time (bounds the row weights to 1 MiB)
+NARROW = 7  # rows of at most this many words reduce over rows first (einsum's row sums are slow on short rows)
 _WORD: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2")}  # anything wider is cut into 32-bit words
 _tables: dict[int, np.ndarray] = {}
 
@@ -84,6 +88,26 @@ def _high_factor(index: int, seed: int) -> int:
     return out
 
 
+def _windows(start: int, count: int) -> Iterator[tuple[int, int]]:
+    """(first, width) of the runs that the indices start..start+count make in DIGIT-aligned windows
+    (``first`` counts from ``start``): in a window, the low digit's factors are a table slice and
+    the other digits' product is one number."""
+    first = 0
+    while first < count:
+        width = min(count - first, DIGIT - (start + first) % DIGIT)
+        yield first, width
+        first += width
+
+
+def _consecutive_weights(start: int, count: int) -> np.ndarray:
+    """Row weights of the global rows start..start+count, window by window (no per-row gathers)."""
+    out, low = np.empty(count, dtype=np.uint64), _table(ROW_SEED)[0]
+    for first, width in _windows(start, count):
+        g = start + first
+        np.multiply(low[g % DIGIT : g % DIGIT + width], np.uint64(_high_factor(g, ROW_SEED)), out=out[first : first + width])
+    return out
+
+
 def _little_endian(block: np.ndarray) -> np.ndarray:
     """The block C-contiguous with little-endian elements (a copy only when it is not already)."""
     a = np.ascontiguousarray(block)
@@ -109,11 +133,17 @@ def _row_weights(first: int, count: int, block: np.ndarray, offset: tuple[int, .
     if not lead:
         return _weights(np.zeros(1, dtype=np.uint64), ROW_SEED)
     if lead[1:] == tuple(global_shape[1:-1]):  # whole rows below dim 0: contiguous global rows
-        start = offset[0] * prod(lead[1:]) + first
-        return _weights(np.arange(start, start + count, dtype=np.uint64), ROW_SEED)
+        return _consecutive_weights(offset[0] * prod(lead[1:]) + first, count)
     local = np.unravel_index(np.arange(first, first + count), lead)
     rows = np.ravel_multi_index(tuple(i + o for i, o in zip(local, offset[:-1])), global_shape[:-1])
     return _weights(np.asarray(rows), ROW_SEED)
+
+
+def _weighted_sum(words: np.ndarray, row_weights: np.ndarray, col_weights: np.ndarray) -> int:
+    """``row_weights . words . col_weights`` mod 2**64, reducing the longer axis first."""
+    if words.shape[1] <= NARROW:
+        return int(np.dot(row_weights @ words, col_weights))
+    return int(np.dot(row_weights, np.einsum("ij,j->i", words, col_weights)))  # uint64: wraps mod 2**64
 
 
 def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int, ...]) -> int:
@@ -124,24 +154,21 @@ def checksum(block: np.ndarray, offset: tuple[int, ...], global_shape: tuple[int
     n_rows, n_cols = words.shape
     col0 = (offset[-1] if block.ndim else 0) * per
     low = _table(COL_SEED)[0]
-    # reused for every step (so the widened words stay in cache); a step is whole rows of one window
-    wide = np.empty(min(words.size, max(STEP_WORDS, min(n_cols, DIGIT))), dtype=np.uint64)
+    rows, cols = max(1, STEP_WORDS // n_cols), min(n_cols, STEP_WORDS)  # a tile: widened at once
+    wide = np.empty(min(words.size, rows * cols), dtype=np.uint64)  # reused for every tile
     total = 0
-    c = 0
-    while c < n_cols:  # column windows aligned on DIGIT: the low digit's factors are a table slice
-        g = col0 + c
-        width = min(n_cols - c, DIGIT - g % DIGIT)
-        high = _high_factor(g, COL_SEED)
-        cw = low[g % DIGIT : g % DIGIT + width]
-        step = max(1, STEP_WORDS // width)
-        for r0 in range(0, n_rows, BLOCK_ROWS):
-            sums = np.empty(min(BLOCK_ROWS, n_rows - r0), dtype=np.uint64)
-            for r in range(0, len(sums), step):
-                part = wide[: min(step, len(sums) - r) * width].reshape(-1, width)
-                np.copyto(part, words[r0 + r : r0 + r + len(part), c : c + width])
-                np.einsum("ij,j->i", part, cw, out=sums[r : r + len(part)])  # SIMD multiply-add, wraps mod 2**64
-            total += high * int(np.einsum("i,i->", _row_weights(r0, len(sums), block, offset, global_shape), sums))
-        c += width
+    for r0 in range(0, n_rows, BLOCK_ROWS):
+        rw = _row_weights(r0, min(BLOCK_ROWS, n_rows - r0), block, offset, global_shape)
+        for r in range(0, len(rw), rows):
+            for c in range(0, n_cols, cols):
+                source = words[r0 + r : r0 + min(r + rows, len(rw)), c : c + cols]
+                tile = wide[: source.size].reshape(source.shape)
+                np.copyto(tile, source)
+                for first, width in _windows(col0 + c, source.shape[1]):  # one weight table slice each
+                    g = col0 + c + first
+                    cw = low[g % DIGIT : g % DIGIT + width]
+                    term = _weighted_sum(tile[:, first : first + width], rw[r : r + len(tile)], cw)
+                    total += _high_factor(g, COL_SEED) * term
     return total & MASK
 
 
