@@ -28,8 +28,9 @@ _LIVE: "weakref.WeakValueDictionary[tuple[Any, ...], DeviceMesh]" = weakref.Weak
 
 
 def _settings() -> dict[str, object]:
-    """The settings that decide which MPI calls the library makes: agreed at every mesh
-    construction, so no rank runs another collective path, debug check or deadline."""
+    """The settings that decide which MPI calls the library makes or how long it waits on them:
+    agreed at every mesh construction, so no rank runs another collective path, debug check or
+    deadline."""
     from .comm.config import comm_path, spmd_debug
     from .comm.deadline import collective_timeout
 

@@ -8,9 +8,9 @@ call's time is the slowest rank's, and the median is shown with the load average
 
 Raw baselines (the same bytes, receive buffer allocated per call as dtorch must):
   S0->R: Allgather; P->R: Allreduce; S0->S1: Alltoall; R->S0: NumPy slice copy (local).
-Two more columns show what the collective deadline (DTORCH_COLLECTIVE_TIMEOUT) costs: the raw
-call made nonblocking and polled as the library waits (``deadline.wait_request``), and made
-nonblocking and waited with a plain ``Wait``.
+Two more columns show the raw call in the form the library makes it (every collective is
+started nonblocking and polled to completion, ``deadline.wait_request``, whatever the deadline),
+and made nonblocking and waited with a plain ``Wait``.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ class TracingComm:
     def __init__(self, comm: MPI.Intracomm) -> None:
         self._comm = comm
         self.calls: list[Call] = []
+        self.started: list[str] = []  # the mpi4py methods as called (``calls`` names I-forms by their collective)
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._comm, name)
@@ -64,6 +65,7 @@ class TracingComm:
         method = name[1].upper() + name[2:] if name[0] == "I" and name[1].islower() else name
 
         def traced(*args: Any, **kwargs: Any) -> Any:
+            self.started.append(name)
             extra = kwargs.get("root")
             if method == "Reduce_scatter":
                 extra = tuple(args[2])
@@ -227,4 +229,31 @@ def test_later_async_steps_start_in_one_order_on_every_rank(traced_mesh: dt.Devi
     check.equal(y.redistribute(placements=[R, R]).to_local(), other, "blocking redistribute meanwhile")
     check.equal(handle.to_local(), full, "two-step async redistribute")
     _compare_groups(mesh, "two-step async + blocking", check)
+    check.done()
+
+
+@pytest.mark.parametrize("deadline", [600.0, 0.0], ids=["deadline", "no-deadline"])
+@pytest.mark.parametrize("traced_mesh", [(SIZE,)], indirect=True)
+def test_every_collective_starts_nonblocking_with_the_deadline_on_or_off(traced_mesh: dt.DeviceMesh,
+                                                                           deadline: float, check: Checker) -> None:
+    """Blocking redistributes of every kind, even and uneven: each MPI call is the nonblocking
+    I-form, polled to completion, whether the collective deadline is on or off (MPICH's blocking
+    forms run other, slower algorithms; docs/performance.md)."""
+    from dtorch_mpi.comm import deadline as deadline_module
+
+    before = deadline_module.collective_timeout()
+    deadline_module.set_collective_timeout(deadline)
+    try:
+        for shape in ((2 * SIZE, 3), (2 * SIZE + 1, SIZE + 1)):
+            full = np.arange(float(np.prod(shape))).reshape(shape)
+            for src, dst in (([dt.Shard(0)], [dt.Replicate()]), ([dt.Shard(1)], [dt.Replicate()]),
+                             ([dt.Shard(0)], [dt.Shard(1)]), ([dt.Partial()], [dt.Replicate()]),
+                             ([dt.Partial()], [dt.Shard(0)])):
+                x = dt.DTensor.from_local(make_pieces(full, traced_mesh, src), traced_mesh, src, shape=shape)
+                check.equal(x.redistribute(placements=dst).to_torch(), full, f"{shape} {src} -> {dst}")
+        started = [name for g in traced_mesh._groups for name in g.started]  # type: ignore[attr-defined]
+        check.true(SIZE == 1 or len(started) >= 10, f"too few calls traced: {started}")
+        check.true(all(n[0] == "I" and n[1].islower() for n in started), f"blocking MPI calls made: {started}")
+    finally:
+        deadline_module.set_collective_timeout(before)
     check.done()

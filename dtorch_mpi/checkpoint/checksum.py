@@ -22,12 +22,13 @@ short rows): about 9 GB/s on one core for 4- and 8-byte types, 2.4 GB/s for 1-by
 word per element), against 6.9 for zlib.crc32 and 4.1 for adler32 timed in the same run (and
 neither of those can be combined across partitions).
 
-The fast path (pieces.py): a load that reads exactly the pieces a save wrote needs no partition
+The fast path (pieces.py): a load that reads whole pieces a save wrote needs no partition
 invariance, so beside lin64 every dataset records each written piece's ``xxh3_64`` (``digest``:
 the piece's bytes in the file's canonical form, little-endian and C order; ~34 GB/s on one
-core, faster than the read it checks). A load whose every read region is one recorded piece
-verifies each rank's buffer against that digest; any other load (another layout, a file
-without the table) verifies with lin64, which covers every layout and every file written.
+core, faster than the read it checks). A load whose every read region is tiled by recorded
+pieces (the saving layout or a coarser one) verifies each tile against its digest; any other
+load (a finer or crossing layout, a file without the table) verifies with lin64, which covers
+every layout and every file written.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Layout: one dataset per tensor with its global shape and dtype; dotted names are
 (``layer.weight`` -> ``/layer/weight``). File attributes ``format = "dtorch_mpi"`` and
 ``version``; dataset attributes ``dtype`` (the exact dtype string), ``checksum`` (checksum.py,
 computed collectively from the written pieces), ``pieces`` (each written piece's region and
-xxh3, pieces.py: a load of the same layout verifies with it), ``placements`` and ``mesh_shape``
+xxh3, pieces.py: a load whose regions those pieces tile verifies with it), ``placements`` and ``mesh_shape``
 (information only: any target layout can load it). No pickle anywhere; plain h5py reads it.
 
 Loads treat the file as untrusted (validate.py): links, external storage, virtual datasets,
@@ -40,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._mpi import library_world
+from ..comm.deadline import wait_request
 from ..dtensor import DTensor
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
@@ -220,7 +221,7 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
         if not os.path.isdir(directory):
             raise CheckpointError(f"cannot save to {path}: directory {directory} does not exist")
     token_buf = np.frombuffer(uuid.uuid4().hex.encode(), dtype=np.uint8).copy()
-    world.Bcast(token_buf, root=0)
+    wait_request(world.Ibcast(token_buf, root=0), "the checkpoint save's file name (Bcast)")
     token = token_buf.tobytes().decode()
     tmp = os.path.join(directory, f".{os.path.basename(path)}.{token}.tmp")
     parallel = has_parallel_hdf5()
@@ -246,7 +247,7 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"saving {path} failed: {exc}") from exc
-    world.Barrier()
+    wait_request(world.Ibarrier(), "the end of the checkpoint save (Barrier)")
 
 
 def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]]) -> None:
@@ -323,7 +324,7 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
                         _write_slab(h5py, f[_group_path(slab.key)], slab.piece, collective=False)
             except Exception as exc:
                 error = exc
-        world.Barrier()
+        wait_request(world.Ibarrier(), "the checkpoint save's writes in turn (Barrier)")
     with agreed(world):
         if error is not None:
             raise error

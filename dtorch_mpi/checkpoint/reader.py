@@ -235,7 +235,7 @@ def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, 
 
 def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
     """A whole dataset (a complete array or a scalar), verified on this rank (every rank reads all
-    of it, so no gathering is needed): by its xxh3 when it was written as one piece, else lin64."""
+    of it, so no gathering is needed): by its pieces' xxh3 when the table covers it, else lin64."""
     ds = entry.dataset
     shape = tuple(ds.shape)
     origin = (0,) * len(shape)

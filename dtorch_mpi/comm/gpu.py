@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 from .._mpi import library_world, ranks_on_node
 from .backend import backends_for
+from .deadline import wait_request
 from .group import Group
 from .layout import offsets, view3
 from .lifetime import CommAttached
@@ -72,7 +73,7 @@ def agreed_facts(world: MPI.Intracomm, requested: str, nccl_available: bool, ran
     local = np.array([code, -code, -int(nccl_available), ranks_on_node, -gpus_on_node, -int(cuda_aware_mpi)],
                      dtype=np.int64)
     worst = np.empty_like(local)
-    world.Allreduce(local, worst, op=MPI.MAX)
+    wait_request(world.Iallreduce(local, worst, op=MPI.MAX), "the GPU backend selection (Allreduce)")
     if worst[0] != -worst[1]:
         raise ValueError("DTORCH_GPU_BACKEND differs between ranks; set the same value on every rank")
     return bool(-worst[2]), int(worst[3]), int(-worst[4]), bool(-worst[5])
@@ -302,7 +303,7 @@ class NCCLBackend:
         raw = np.zeros(128, dtype=np.uint8)
         if group.rank == 0:
             raw[:] = np.frombuffer(uid_to_bytes(uid), dtype=np.uint8)[:128]
-        group.comm.Bcast(raw, root=0)
+        wait_request(group.comm.Ibcast(raw, root=0), "the NCCL communicator set-up (Bcast)")
         like = uid if uid is not None else nccl.get_unique_id()
         return nccl.NcclCommunicator(group.size, uid_from_bytes(raw.tobytes(), like), group.rank)
 

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import counter
 from .config import spmd_debug
+from .deadline import wait_request
 from .group import Group
 from .work import collective_starting, completed
 
@@ -43,7 +44,7 @@ def check_same_call(group: Group, description: str) -> None:
     raw = description.encode()[:_DEBUG_BYTES]
     mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     table = np.empty((group.size, _DEBUG_BYTES), dtype=np.uint8)
-    group.comm.Allgather(mine, table)
+    wait_request(group.comm.Iallgather(mine, table), "the SPMD debug check (Allgather)")
     calls = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
     if len(set(calls)) > 1:
         from ..errors import SPMDDivergenceError
