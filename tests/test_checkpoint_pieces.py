@@ -164,7 +164,6 @@ FORGED = {  # kind -> (edit of the table, the error it must raise, or None: load
     "other_digest": (lambda t, ds: np.column_stack([t[:, :-1], t[:, -1] ^ np.uint64(1)]),
                      "checksum mismatch in dataset /w"),
     "missing": (lambda t, ds: None, None),
-    "overlapping_piece": (lambda t, ds: np.vstack([t, np.array([[0, 0, 1, 3, 0]], np.uint64)]), None),
     "other_split": (lambda t, ds: np.array([[0, 0, 1, 3, 0]], np.uint64) if ds.shape[0] > 1 else None, None),
 }
 
@@ -271,6 +270,22 @@ def test_a_table_over_the_limit_is_not_written(mesh1d: dt.DeviceMesh, shared_dir
     dt.load(path, {"w": tgt})
     assert list(reader.VERIFIED.items()) == [("w", "lin64")], reader.VERIFIED
     assert np.array_equal(tgt.to_torch(), full)
+
+
+def test_a_forged_overlapping_piece_never_tiles_a_region(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """An extra row overlapping the written pieces: a replicated read (whose region the pieces
+    would tile) falls back to lin64; a region that is exactly one recorded piece keeps its xxh3
+    (that piece's digest covers every byte of it). Values are right either way."""
+    shape = (2 * SIZE + 1, 3)
+    full = full_value(shape, 5)
+    path = os.path.join(shared_dir, "overlap.h5")
+    dt.save({"w": sharded(full, mesh1d, [dt.Shard(0)])}, path)
+    _tables(path, lambda t, ds: np.vstack([t, np.array([[0, 0, 1, 3, 0]], np.uint64)]))
+    for plc, want in (([dt.Replicate()], "lin64" if SIZE > 1 else "xxh3"), ([dt.Shard(0)], "xxh3")):
+        tgt = dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=plc)
+        dt.load(path, {"w": tgt})
+        assert list(reader.VERIFIED.items()) == [("w", want)], (plc, reader.VERIFIED)
+        assert np.array_equal(tgt.to_torch(), full), plc
 
 
 def _table(rows: list[list[int]]) -> np.ndarray:
