@@ -7,10 +7,18 @@ rotation (a load change hits all alike); the medians (slowest rank) give:
   raw ms        the best raw collective into a receive buffer allocated per call
   raw-reuse ms  the best raw collective into one reused receive buffer: the floor (with MPICH a
                 collective into fresh memory costs up to 2.5x one into a reused buffer)
-  ratio         dtorch / raw;  /reuse  dtorch / raw-reuse. The redistribute is the same
+  ratio         dtorch / raw;  /reuse  dtorch / raw-reuse;  /block  dtorch / the best blocking
+                raw call into a fresh buffer (the baseline before polled forms were timed too,
+                kept for comparison with earlier figures). The redistribute is the same
                 compiled plan called in a loop, so its buffers come back from comm/pool.py.
   peak/out      dtorch's peak extra memory of one call with the buffer pool emptied first
                 (tracemalloc), as a multiple of the output piece: the footprint the pool keeps.
+All buffers, dtorch's input and the baselines', start at a page boundary, as the library's
+pooled outputs do (where the heap put them used to decide whether a copy hit this machine's
+1.75x 4K-aliasing penalty). Every timed call follows an untimed call of the same case
+(--caches primed): each case's own buffers and code are as warm as in a loop repeating it
+(with the calls simply in rotation, the raw baselines' shared send buffer stayed in cache while
+dtorch's input, used once per rotation, did not; --caches shared or cold give those conditions).
 Baselines (each as MPI's blocking call and as its nonblocking form polled to completion, as
 the library waits; the best of them is the column's figure):
   S(0)->R, S(1)->R: Allgather of contiguous equal (padded when uneven) blocks and Allgatherv
@@ -27,7 +35,7 @@ import tracemalloc
 from collections.abc import Callable
 
 import numpy as np
-from benchtools import timed_interleaved
+from benchtools import aligned_copy, aligned_empty, timed_interleaved
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -73,8 +81,11 @@ def raw_cases(kind: str, shape: tuple[int, int], m: int, comm: MPI.Intracomm, fr
 
     def buf(n: int) -> np.ndarray:
         if fresh:
-            return np.empty(n, np.float32)
-        return kept.setdefault(n, np.empty(n, np.float32)) if n not in kept else kept[n]
+            return aligned_empty(n, np.float32)
+        return kept.setdefault(n, aligned_empty(n, np.float32)) if n not in kept else kept[n]
+
+    def ones(n: int) -> np.ndarray:
+        return aligned_copy(np.ones(n, np.float32))
 
     def both(name: str, args: Callable[[], tuple[object, ...]]) -> dict[str, Callable[[], object]]:
         blocking, start = getattr(comm, name), getattr(comm, "I" + name[0].lower() + name[1:])
@@ -86,22 +97,22 @@ def raw_cases(kind: str, shape: tuple[int, int], m: int, comm: MPI.Intracomm, fr
         return {name: lambda: blocking(*args()), f"I{name[0].lower()}{name[1:]}+poll": polled}
 
     if kind in ("S0->R", "S1->R"):
-        mine = np.ones(sizes[me], np.float32)
-        padded_in = np.ones(mx, np.float32)
+        mine = ones(sizes[me])
+        padded_in = ones(mx)
         displs = list(np.cumsum([0] + sizes[:-1]))
         return both("Allgather", lambda: (padded_in, buf(mx * m))) | both(
             "Allgatherv", lambda: (mine, [buf(total), (sizes, displs), MPI.FLOAT]))
     if kind == "S0->S1":
         blk = max(1, (total // m) // m)
-        a = np.ones(blk * m, np.float32)
+        a = ones(blk * m)
         return both("Alltoall", lambda: (a, buf(blk * m)))
     if kind == "P->R":
-        a = np.ones(total, np.float32)
+        a = ones(total)
         return both("Allreduce", lambda: (a, buf(total)))
-    a = np.ones(mx * m, np.float32)
+    a = ones(mx * m)
     cases = both("Reduce_scatter_block", lambda: (a, buf(mx)))
     if len(set(sizes)) > 1:
-        b = np.ones(total, np.float32)
+        b = ones(total)
         cases |= both("Reduce_scatter", lambda: (b, buf(sizes[me]), sizes))
     return cases
 
@@ -123,6 +134,8 @@ def main() -> None:
     ap.add_argument("--evenness", default="even,uneven")
     ap.add_argument("--square", action="store_true", help="square global shapes (64M: 4096 x 4096)")
     ap.add_argument("--json", default=None, help="write the rows here (rank 0)")
+    ap.add_argument("--caches", default="primed", choices=("primed", "shared", "cold"),
+                    help="before each timed call: an untimed call of the same case (default), nothing, or a cache flush")
     args = ap.parse_args()
     m = WORLD.Get_size()
     mesh = dt.init_device_mesh("cpu", (m,))
@@ -133,10 +146,10 @@ def main() -> None:
         print(f"ranks={m}  load average at start {os.getloadavg()[0]:.2f}  (medians over interleaved reps "
               "of the slowest rank)")
         print(f"{'transition':<10} {'path':<8} {'size':>5} {'shape':>13} {'dtorch ms':>10} {'raw ms':>9} "
-              f"{'raw-reuse':>9} {'raw op':<27} {'ratio':>6} {'/reuse':>6} {'peak/out':>8}")
+              f"{'raw-reuse':>9} {'raw op':<27} {'ratio':>6} {'/reuse':>6} {'/block':>6} {'peak/out':>8}")
     for size in args.sizes.split(","):
         nbytes = int(size[:-1]) * units[size[-1]]
-        reps = 21 if nbytes <= (1 << 20) else 9 if nbytes <= (16 << 20) else 5
+        reps = 21 if nbytes <= (1 << 20) else 15 if nbytes <= (16 << 20) else 7
         for evenness, shape in shapes_for(nbytes, m, args.square).items():
             if evenness not in args.evenness.split(","):
                 continue
@@ -144,6 +157,7 @@ def main() -> None:
             for kind in args.kinds.split(","):
                 src, dst = TRANSITIONS[kind]
                 x = dt.distribute_tensor(full, mesh, src, src_data_rank=None)
+                x = dt.DTensor.from_local(aligned_copy(x.to_local()), mesh, src, shape=shape)  # as the baselines
                 out_bytes = x.redistribute(placements=dst).to_local().nbytes
                 fns = {f"fresh {n}": fn for n, fn in raw_cases(kind, shape, m, comm, True).items()}
                 fns |= {f"reuse {n}": fn for n, fn in raw_cases(kind, shape, m, comm, False).items()}
@@ -152,9 +166,10 @@ def main() -> None:
                     return lambda: (set_comm_path(path), x.redistribute(placements=dst))
 
                 fns |= {f"dtorch {path}": run(path) for path in args.paths.split(",")}
-                t = timed_interleaved(fns, reps, comm)
+                t = timed_interleaved(fns, reps, comm, caches=args.caches)
                 best = min((n for n in t if n.startswith("fresh ")), key=t.__getitem__)
                 floor = min(v for n, v in t.items() if n.startswith("reuse "))
+                blocking = min(v for n, v in t.items() if n.startswith("fresh ") and not n.endswith("+poll"))
                 for path in args.paths.split(","):
                     set_comm_path(path)
                     peak = WORLD.allreduce(peak_extra(lambda: x.redistribute(placements=dst)), op=MPI.MAX)
@@ -162,13 +177,14 @@ def main() -> None:
                     row = dict(ranks=m, transition=kind, path=path, bytes=nbytes, evenness=evenness,
                                shape=shape, dtorch_ms=mine * 1e3, raw_ms=t[best] * 1e3,
                                raw_reused_ms=floor * 1e3, raw_op=best[6:], ratio=mine / t[best],
-                               ratio_reused=mine / floor, peak_over_out=peak / max(out_bytes, 1),
+                               ratio_reused=mine / floor, ratio_blocking=mine / blocking,
+                               peak_over_out=peak / max(out_bytes, 1),
                                load=os.getloadavg()[0])
                     rows.append(row)
                     if WORLD.Get_rank() == 0:
                         print(f"{kind:<10} {path:<8} {size:>5} {shape!s:>13} {mine * 1e3:>10.3f} "
                               f"{t[best] * 1e3:>9.3f} {floor * 1e3:>9.3f} {best[6:]:<27} {mine / t[best]:>6.2f} "
-                              f"{mine / floor:>6.2f} {peak / max(out_bytes, 1):>8.2f}", flush=True)
+                              f"{mine / floor:>6.2f} {mine / blocking:>6.2f} {peak / max(out_bytes, 1):>8.2f}", flush=True)
     if WORLD.Get_rank() == 0:
         print(f"load average at end {os.getloadavg()[0]:.2f}")
     if args.json and WORLD.Get_rank() == 0:

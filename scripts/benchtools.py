@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 
@@ -29,15 +30,52 @@ def timed(fn: Callable[[], Any], reps: int, comm: MPI.Intracomm = MPI.COMM_WORLD
     return statistics.median(times)
 
 
+def aligned_empty(shape: int | tuple[int, ...], dtype: object) -> np.ndarray:
+    """A fresh array starting at a page boundary, as the library's pooled buffers do (a copy
+    runs 1.75x slower here when its destination is 16-48 bytes past its source modulo 4096, so
+    buffers wherever the heap puts them make a baseline's speed a matter of chance)."""
+    dt = np.dtype(dtype)
+    count = int(np.prod(shape))
+    raw = np.empty(count * dt.itemsize + 4096, np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start : start + count * dt.itemsize].view(dt).reshape(shape)
+
+
+def aligned_copy(a: np.ndarray) -> np.ndarray:
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
+
+
+EVICT_BYTES = 48 << 20
+"""Written before each timed call when ``cold``: more than this machine's 32 MiB last-level cache."""
+_scratch: list[np.ndarray] = []
+
+
+def evict_caches() -> None:
+    """Overwrite a buffer larger than the last-level cache, so the next call starts cold."""
+    if not _scratch:
+        _scratch.append(np.zeros(EVICT_BYTES, np.uint8))
+    _scratch[0] += 1
+
+
 def timed_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
-                      comm: MPI.Intracomm = MPI.COMM_WORLD) -> dict[str, float]:
+                      comm: MPI.Intracomm = MPI.COMM_WORLD, *, caches: str = "shared") -> dict[str, float]:
     """Median (slowest rank) of each of ``fns``, run in rotation within every repeat, so a
-    load change on a busy machine hits all of them alike (one warm-up call each first)."""
+    load change on a busy machine hits all of them alike (one warm-up call each first).
+    ``caches``: "shared" runs each call straight after the previous case's; "primed" runs an
+    untimed call of the same case first (each case's own buffers and code warm, as in a loop
+    repeating one call; otherwise a case whose buffers others share, such as a raw baseline's one
+    send buffer, runs warm while the rest run cold); "cold" flushes the caches first."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
+            if caches == "primed":
+                fn()
+            elif caches == "cold":
+                evict_caches()
             comm.Barrier()
             start = time.perf_counter()
             fn()

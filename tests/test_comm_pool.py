@@ -35,6 +35,19 @@ def _forget_plans() -> None:
         plans.cache_clear()
 
 
+def test_pooled_buffers_start_at_a_page_boundary_and_are_reused(small_pool: None) -> None:
+    """Every pooled buffer starts at a page boundary (copies into it run at a speed independent
+    of where the heap put it), and a dropped one is handed out again at the same address."""
+    first = pool.empty(np, (3, 1000), np.float64)
+    address = first.ctypes.data
+    assert address % pool.PAGE == 0
+    del first
+    again = pool.empty(np, 3000, np.float64)
+    assert again.ctypes.data == address
+    other = pool.empty(np, 3000, np.float64)  # ``again`` still held: another owner, aligned too
+    assert other.ctypes.data % pool.PAGE == 0 and other.ctypes.data != address
+
+
 def test_a_live_slice_keeps_its_buffer_out_of_reuse(small_pool: None) -> None:
     a = pool.empty(np, (64, 32), np.float32)
     a[...] = 1.0

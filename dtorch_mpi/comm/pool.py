@@ -9,6 +9,13 @@ referenced (NumPy collapses ``.base`` to the owner), and so does anything built 
 reference count shows that only the pool holds it is therefore unused by anyone, and only
 such an owner is handed out again: a buffer still in use, or any slice of it, is never reused.
 
+Owners start their buffers at a page boundary. A copy on this machine (MPI's into an output,
+NumPy's) runs 1.75x slower when its destination lies 16-48 bytes past its source modulo 4096 (the
+store and later loads alias in the core's 4 KiB address match), and where a heap-allocated
+buffer falls was chance; large NumPy arrays sit 16 bytes into a page (their mmap header), so an
+output at a page boundary is never in that band relative to them, and results are the same
+from run to run (scripts/bench_redistribute.py).
+
 Bounded by ``DTORCH_BUFFER_POOL_BYTES`` (default 256 MiB, ``0`` turns pooling off; the oldest
 owners are forgotten first, which never frees one still in use: its users keep it). Small
 buffers bypass the pool (malloc reuses them without page faults, and the pool would only add
@@ -31,7 +38,9 @@ import numpy as np
 POOLED_FROM = 256 << 10
 """Smallest buffer (bytes) worth pooling: below it glibc malloc reuses freed heap memory."""
 
-_owners: "OrderedDict[int, list[np.ndarray]]" = OrderedDict()  # nbytes -> owners, oldest size first
+PAGE = 4096
+Owner = tuple[np.ndarray, int]  # (allocation, offset of its first page boundary): the pool's unit
+_owners: "OrderedDict[int, list[Owner]]" = OrderedDict()  # nbytes -> owners, oldest size first
 _held = 0
 _lock = threading.Lock()
 _cap: int | None = None
@@ -74,21 +83,27 @@ def clear() -> None:
     _held = 0
 
 
-def _refcounts(bucket: list[np.ndarray]) -> list[int]:
-    return [sys.getrefcount(owner) for owner in bucket]
+def _refcounts(bucket: list[Owner]) -> list[int]:
+    return [sys.getrefcount(owner) for owner, _ in bucket]
 
 
-def _find_idle(bucket: list[np.ndarray]) -> np.ndarray | None:
-    for owner, refs in zip(bucket, _refcounts(bucket)):
+def _find_idle(bucket: list[Owner]) -> Owner | None:
+    for entry, refs in zip(bucket, _refcounts(bucket)):
         if refs <= _IDLE_REFS:
-            return owner
+            return entry
     return None
 
 
 def _probe_idle_refs() -> int:
     """The reference count an owner nobody else holds shows in ``_refcounts`` (measured once
     through the same code path, so it holds on any interpreter)."""
-    return _refcounts([np.empty(1, np.uint8)])[0]
+    return _refcounts([(np.empty(1, np.uint8), 0)])[0]
+
+
+def _new_owner(nbytes: int) -> Owner:
+    """An allocation with room for ``nbytes`` from a page boundary on."""
+    raw = np.empty(nbytes + PAGE, np.uint8)
+    return raw, -raw.ctypes.data % PAGE
 
 
 _IDLE_REFS = _probe_idle_refs()
@@ -117,15 +132,16 @@ def empty(xp: Any, shape: tuple[int, ...] | int, dtype: Any) -> Any:
         return np.empty(dims, dtype=dt)
     with _lock:  # one thread's idle owner must not be handed to another before it holds a view
         bucket = _owners.get(nbytes)
-        owner = _find_idle(bucket) if bucket else None
-        if owner is None:
+        entry = _find_idle(bucket) if bucket else None
+        if entry is None:
             global _held
             _shrink(nbytes)
-            owner = np.empty(nbytes, np.uint8)
-            _owners.setdefault(nbytes, []).append(owner)
+            entry = _new_owner(nbytes)
+            _owners.setdefault(nbytes, []).append(entry)
             _held += nbytes
         _owners.move_to_end(nbytes)
-        return owner.view(dt).reshape(dims)
+        owner, start = entry
+        return owner[start : start + nbytes].view(dt).reshape(dims)  # its ``.base`` is ``owner``
 
 
 def allocator(xp: Any, shape: tuple[int, ...], dtype: Any) -> Callable[[], Any]:
