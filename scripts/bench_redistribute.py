@@ -9,16 +9,19 @@ rotation (a load change hits all alike); the medians (slowest rank) give:
                 collective into fresh memory costs up to 2.5x one into a reused buffer)
   ratio         dtorch / raw;  /reuse  dtorch / raw-reuse;  /block  dtorch / the best blocking
                 raw call into a fresh buffer (the baseline before polled forms were timed too,
-                kept for comparison with earlier figures). The redistribute is the same
-                compiled plan called in a loop, so its buffers come back from comm/pool.py.
+                kept for comparison with earlier figures). Each ratio comes from its own
+                rotation of dtorch and that one baseline (dtorch ms: the run beside the best raw).
+                The redistribute is the same compiled plan called in a loop, so its buffers come
+                back from comm/pool.py.
   peak/out      dtorch's peak extra memory of one call with the buffer pool emptied first
                 (tracemalloc), as a multiple of the output piece: the footprint the pool keeps.
 All buffers, dtorch's input and the baselines', start at a page boundary, as the library's
 pooled outputs do (where the heap put them used to decide whether a copy hit this machine's
 1.75x 4K-aliasing penalty). Every timed call follows an untimed call of the same case
 (--caches primed): each case's own buffers and code are as warm as in a loop repeating it
-(with the calls simply in rotation, the raw baselines' shared send buffer stayed in cache while
-dtorch's input, used once per rotation, did not; --caches shared or cold give those conditions).
+(--caches shared or cold give the other conditions). With every case in one rotation, which
+buffers stayed in cache moved the ratios 1.0 <-> 2.0 at 4-16 MB (the raw baselines' shared send
+buffer stayed warm, dtorch's input did not), hence one rotation per pair.
 Baselines (each as MPI's blocking call and as its nonblocking form polled to completion, as
 the library waits; the best of them is the column's figure):
   S(0)->R, S(1)->R: Allgather of contiguous equal (padded when uneven) blocks and Allgatherv
@@ -79,10 +82,13 @@ def raw_cases(kind: str, shape: tuple[int, int], m: int, comm: MPI.Intracomm, fr
 
     kept: dict[int, np.ndarray] = {}
 
+    def new(n: int) -> np.ndarray:  # as the library allocates: page-aligned where it pools
+        return aligned_empty(n, np.float32) if n * 4 >= pool.POOLED_FROM else np.empty(n, np.float32)
+
     def buf(n: int) -> np.ndarray:
         if fresh:
-            return aligned_empty(n, np.float32)
-        return kept.setdefault(n, aligned_empty(n, np.float32)) if n not in kept else kept[n]
+            return new(n)
+        return kept.setdefault(n, new(n)) if n not in kept else kept[n]
 
     def ones(n: int) -> np.ndarray:
         return aligned_copy(np.ones(n, np.float32))
@@ -159,32 +165,34 @@ def main() -> None:
                 x = dt.distribute_tensor(full, mesh, src, src_data_rank=None)
                 x = dt.DTensor.from_local(aligned_copy(x.to_local()), mesh, src, shape=shape)  # as the baselines
                 out_bytes = x.redistribute(placements=dst).to_local().nbytes
-                fns = {f"fresh {n}": fn for n, fn in raw_cases(kind, shape, m, comm, True).items()}
-                fns |= {f"reuse {n}": fn for n, fn in raw_cases(kind, shape, m, comm, False).items()}
-
-                def run(path: str) -> Callable[[], object]:
-                    return lambda: (set_comm_path(path), x.redistribute(placements=dst))
-
-                fns |= {f"dtorch {path}": run(path) for path in args.paths.split(",")}
-                t = timed_interleaved(fns, reps, comm, caches=args.caches)
-                best = min((n for n in t if n.startswith("fresh ")), key=t.__getitem__)
-                floor = min(v for n, v in t.items() if n.startswith("reuse "))
-                blocking = min(v for n, v in t.items() if n.startswith("fresh ") and not n.endswith("+poll"))
+                raws = {f"fresh {n}": fn for n, fn in raw_cases(kind, shape, m, comm, True).items()}
+                raws |= {f"reuse {n}": fn for n, fn in raw_cases(kind, shape, m, comm, False).items()}
                 for path in args.paths.split(","):
                     set_comm_path(path)
-                    peak = WORLD.allreduce(peak_extra(lambda: x.redistribute(placements=dst)), op=MPI.MAX)
-                    mine = t[f"dtorch {path}"]
+                    mine = lambda: x.redistribute(placements=dst)
+                    # one rotation per baseline, dtorch and that call alone: a rotation of all of
+                    # them moved the ratios 1.0 <-> 2.0 at 4-16 MB by which buffers stayed in cache
+                    pair = {n: timed_interleaved({"dtorch": mine, n: fn}, reps, comm, caches=args.caches)
+                            for n, fn in raws.items()}
+                    def quickest(keep: Callable[[str], bool]) -> str:
+                        return min((n for n in pair if keep(n)), key=lambda n: pair[n][n])
+
+                    best = quickest(lambda n: n.startswith("fresh "))
+                    floor = quickest(lambda n: n.startswith("reuse "))
+                    blocking = quickest(lambda n: n.startswith("fresh ") and not n.endswith("+poll"))
+                    peak = WORLD.allreduce(peak_extra(mine), op=MPI.MAX) / max(out_bytes, 1)
                     row = dict(ranks=m, transition=kind, path=path, bytes=nbytes, evenness=evenness,
-                               shape=shape, dtorch_ms=mine * 1e3, raw_ms=t[best] * 1e3,
-                               raw_reused_ms=floor * 1e3, raw_op=best[6:], ratio=mine / t[best],
-                               ratio_reused=mine / floor, ratio_blocking=mine / blocking,
-                               peak_over_out=peak / max(out_bytes, 1),
-                               load=os.getloadavg()[0])
+                               shape=shape, dtorch_ms=pair[best]["dtorch"] * 1e3, raw_ms=pair[best][best] * 1e3,
+                               raw_reused_ms=pair[floor][floor] * 1e3, raw_op=best[6:],
+                               ratio=pair[best]["dtorch"] / pair[best][best],
+                               ratio_reused=pair[floor]["dtorch"] / pair[floor][floor],
+                               ratio_blocking=pair[blocking]["dtorch"] / pair[blocking][blocking],
+                               peak_over_out=peak, load=os.getloadavg()[0])
                     rows.append(row)
                     if WORLD.Get_rank() == 0:
-                        print(f"{kind:<10} {path:<8} {size:>5} {shape!s:>13} {mine * 1e3:>10.3f} "
-                              f"{t[best] * 1e3:>9.3f} {floor * 1e3:>9.3f} {best[6:]:<27} {mine / t[best]:>6.2f} "
-                              f"{mine / floor:>6.2f} {mine / blocking:>6.2f} {peak / max(out_bytes, 1):>8.2f}", flush=True)
+                        print(f"{kind:<10} {path:<8} {size:>5} {shape!s:>13} {row['dtorch_ms']:>10.3f} "
+                              f"{row['raw_ms']:>9.3f} {row['raw_reused_ms']:>9.3f} {best[6:]:<27} {row['ratio']:>6.2f} "
+                              f"{row['ratio_reused']:>6.2f} {row['ratio_blocking']:>6.2f} {peak:>8.2f}", flush=True)
     if WORLD.Get_rank() == 0:
         print(f"load average at end {os.getloadavg()[0]:.2f}")
     if args.json and WORLD.Get_rank() == 0:
