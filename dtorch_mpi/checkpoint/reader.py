@@ -208,12 +208,13 @@ def _first_pass(param: Any, ds: Any, expected: Tiles | None) -> tuple[list[int],
     term = 0
     digests = None if expected is None else pieces.TileDigests(expected)
     block = _hyperslab(param)
+    first_row = block[0][0] if block is not None and block[0] else 0  # of the region, along dim 0
     for off, raw in _chunks(param, ds):
         marks.append(digest(raw))
         if digests is None:
             term += checksum(raw, off, param.shape)
         else:
-            digests.update(off[0] - block[0][0] if off else 0, raw)  # type: ignore[index]
+            digests.update(off[0] - first_row if off else 0, raw)
     if digests is not None:
         term = int(digests.mismatched())
     return marks, term & MASK
