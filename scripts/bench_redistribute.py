@@ -174,6 +174,7 @@ def main() -> None:
                     # them moved the ratios 1.0 <-> 2.0 at 4-16 MB by which buffers stayed in cache
                     pair = {n: timed_interleaved({"dtorch": mine, n: fn}, reps, comm, caches=args.caches)
                             for n, fn in raws.items()}
+
                     def quickest(keep: Callable[[str], bool]) -> str:
                         return min((n for n in pair if keep(n)), key=lambda n: pair[n][n])
 

@@ -110,6 +110,18 @@ def shared_dir() -> Iterator[str]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(params=[600.0, 0.0], ids=["deadline", "no-deadline"])
+def deadline(request: pytest.FixtureRequest) -> Iterator[float]:
+    """The collective deadline on (600 s) and off (0: the same calls, polled without a clock),
+    restored after the test."""
+    from dtorch_mpi.comm import deadline as module
+
+    before = module.collective_timeout()
+    module.set_collective_timeout(request.param)
+    yield request.param
+    module.set_collective_timeout(before)
+
+
 MESH2D_SHAPES = {1: (1, 1), 2: (1, 2), 3: (3, 1), 4: (2, 2)}
 
 

@@ -232,28 +232,51 @@ def test_later_async_steps_start_in_one_order_on_every_rank(traced_mesh: dt.Devi
     check.done()
 
 
-@pytest.mark.parametrize("deadline", [600.0, 0.0], ids=["deadline", "no-deadline"])
 @pytest.mark.parametrize("traced_mesh", [(SIZE,)], indirect=True)
 def test_every_collective_starts_nonblocking_with_the_deadline_on_or_off(traced_mesh: dt.DeviceMesh,
                                                                            deadline: float, check: Checker) -> None:
     """Blocking redistributes of every kind, even and uneven: each MPI call is the nonblocking
     I-form, polled to completion, whether the collective deadline is on or off (MPICH's blocking
     forms run other, slower algorithms; docs/performance.md)."""
-    from dtorch_mpi.comm import deadline as deadline_module
+    for shape in ((2 * SIZE, 3), (2 * SIZE + 1, SIZE + 1)):
+        full = np.arange(float(np.prod(shape))).reshape(shape)
+        for src, dst in (([dt.Shard(0)], [dt.Replicate()]), ([dt.Shard(1)], [dt.Replicate()]),
+                         ([dt.Shard(0)], [dt.Shard(1)]), ([dt.Partial()], [dt.Replicate()]),
+                         ([dt.Partial()], [dt.Shard(0)])):
+            x = dt.DTensor.from_local(make_pieces(full, traced_mesh, src), traced_mesh, src, shape=shape)
+            check.equal(x.redistribute(placements=dst).to_torch(), full, f"{shape} {src} -> {dst}")
+    started = [name for g in traced_mesh._groups for name in g.started]  # type: ignore[attr-defined]
+    check.true(SIZE == 1 or len(started) >= 10, f"too few calls traced: {started}")
+    check.true(all(n[0] == "I" and n[1].islower() for n in started), f"blocking MPI calls made: {started}")
+    check.done()
 
-    before = deadline_module.collective_timeout()
-    deadline_module.set_collective_timeout(deadline)
-    try:
-        for shape in ((2 * SIZE, 3), (2 * SIZE + 1, SIZE + 1)):
-            full = np.arange(float(np.prod(shape))).reshape(shape)
-            for src, dst in (([dt.Shard(0)], [dt.Replicate()]), ([dt.Shard(1)], [dt.Replicate()]),
-                             ([dt.Shard(0)], [dt.Shard(1)]), ([dt.Partial()], [dt.Replicate()]),
-                             ([dt.Partial()], [dt.Shard(0)])):
-                x = dt.DTensor.from_local(make_pieces(full, traced_mesh, src), traced_mesh, src, shape=shape)
-                check.equal(x.redistribute(placements=dst).to_torch(), full, f"{shape} {src} -> {dst}")
+
+UNEVEN_GATHER_CALLS = {  # mesh-dim axis gathered -> comm path -> the MPI call made
+    0: {"auto": "Iallgatherv", "variable": "Iallgatherv", "padded": "Iallgather"},
+    1: {"auto": "Ialltoallw", "variable": "Ialltoallw", "padded": "Iallgather"},
+}
+
+
+@pytest.mark.parametrize("traced_mesh", [(SIZE,)], indirect=True)
+def test_uneven_gathers_make_their_route_call_at_every_length(traced_mesh: dt.DeviceMesh, deadline: float,
+                                                              check: Checker) -> None:
+    """An uneven contiguous gather is one ``Allgatherv`` (padded path: the padded ``Allgather``,
+    compacted), an uneven inner-axis gather one ``Alltoallw`` (padded: strided), at every length,
+    with the deadline on and off: the call each rank makes, traced, and the values."""
+    path = dt.comm.comm_path()
+    for n, axis in itertools.product(lengths_for(SIZE), (0, 1)):
+        full = np.arange(5.0 * n).reshape((n, 5) if axis == 0 else (5, n))
+        x = dt.DTensor.from_local(make_pieces(full, traced_mesh, [dt.Shard(axis)]), traced_mesh, [dt.Shard(axis)],
+                                  shape=full.shape)
+        for g in traced_mesh._groups:
+            g.started.clear()  # type: ignore[attr-defined]
+        with dt.CommCounter() as c:
+            y = x.redistribute(placements=[dt.Replicate()])
         started = [name for g in traced_mesh._groups for name in g.started]  # type: ignore[attr-defined]
-        check.true(SIZE == 1 or len(started) >= 10, f"too few calls traced: {started}")
-        check.true(all(n[0] == "I" and n[1].islower() for n in started), f"blocking MPI calls made: {started}")
-    finally:
-        deadline_module.set_collective_timeout(before)
+        check.equal(y.to_local(), full, f"{full.shape} Shard({axis}) -> Replicate")
+        if SIZE > 1 and n % SIZE:
+            want = UNEVEN_GATHER_CALLS[axis][path]
+            check.true(started == [want], f"{full.shape} Shard({axis}): made {started}, expected [{want!r}]")
+            check.true(c.records[0].padded == (path == "padded"), f"{full.shape}: padded flag {c.records[0].padded}")
+    _compare_groups(traced_mesh, "uneven gathers", check)
     check.done()

@@ -18,7 +18,6 @@ import pytest
 from conftest import RANK, SIZE, Checker, lengths_for, on_mesh
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm.routes import Route
 from dtorch_mpi.split import split_sizes
 
 P1 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max")]
@@ -221,34 +220,6 @@ def test_uneven_gather_sizes_follow_the_split_rule(mesh1d: dt.DeviceMesh) -> Non
     sizes = mesh1d.get_group(0).allgather(x.to_local().shape[0])
     assert tuple(sizes) == split_sizes(n, SIZE)
     assert np.array_equal(x.to_torch(), np.arange(n))
-
-
-@pytest.mark.parametrize("deadline", [600.0, 0.0], ids=["deadline", "no-deadline"])
-def test_uneven_gathers_take_their_route_at_every_length(mesh1d: dt.DeviceMesh, deadline: float) -> None:
-    """An uneven contiguous gather is an ``Allgatherv`` (padded path: the padded ``Allgather``,
-    compacted), an uneven inner-axis gather an ``Alltoallw`` (padded: strided), with the
-    collective deadline on and off (off: the same nonblocking calls, polled without a clock)."""
-    from dtorch_mpi.comm import deadline as deadline_module
-    from dtorch_mpi.comm import mpi_backend
-
-    path = dt.comm.comm_path()
-    expected = {0: {"auto": Route.GATHER_V, "variable": Route.GATHER_V, "padded": Route.GATHER_PADDED_COMPACT},
-                1: {"auto": Route.GATHER_W, "variable": Route.GATHER_W, "padded": Route.GATHER_PADDED_STRIDED}}
-    before = deadline_module.collective_timeout()
-    deadline_module.set_collective_timeout(deadline)
-    try:
-        for n, axis in itertools.product(lengths_for(SIZE), (0, 1)):
-            full = integer_full((n, 5) if axis == 0 else (5, n))
-            x = dt.distribute_tensor(full, mesh1d, [dt.Shard(axis)])
-            with dt.CommCounter() as c:
-                y = x.redistribute(placements=[dt.Replicate()])
-            assert np.array_equal(y.to_torch(), full)
-            if SIZE > 1 and n % SIZE and full.nbytes:
-                assert c.records[0].padded == (path == "padded")
-                route = mpi_backend._gather_layout(path, full.shape, axis, split_sizes(n, SIZE), full.itemsize)[3]
-                assert route is expected[axis][path], (n, axis, route)
-    finally:
-        deadline_module.set_collective_timeout(before)
 
 
 @pytest.mark.parametrize("strided_below", [0, 1 << 30], ids=["packed", "datatypes"])

@@ -102,7 +102,10 @@ def own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: li
     mine: dict[str, Tiles | None] = {}
     for key in keys:
         block, table = _hyperslab(params[key]), entries[key].pieces
-        mine[key] = pieces.tiling(table, *block) if block is not None else () if table is not None else None
+        if block is None:  # this rank reads nothing: nothing of its own to check
+            mine[key] = None if table is None else ()
+        else:
+            mine[key] = pieces.tiling(table, *block)
     return mine
 
 
