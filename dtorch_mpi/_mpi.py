@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from mpi4py import MPI
 
 _library_world: MPI.Intracomm | None = None
@@ -16,17 +17,30 @@ def library_world() -> MPI.Intracomm:
     return _library_world
 
 
-_node: tuple[int, int] | None = None
+_node: tuple[int, int, int] | None = None
 
 
 def node_facts() -> tuple[int, int]:
-    """``(this rank's index among the ranks of its node, ranks on the node)``: one world
-    collective (``Split_type(COMM_TYPE_SHARED)``) on first use, so the first call must be
-    made by every world rank together (cuda ``DeviceMesh`` construction makes it)."""
+    """``(this rank's index among the ranks of its node, ranks on the node)``: world
+    collectives (``Split_type(COMM_TYPE_SHARED)``, then a node-wide ``Allreduce``) on first
+    use, so the first call must be made by every world rank together (``DeviceMesh``
+    construction makes it)."""
+    return _facts()[:2]
+
+
+def node_id() -> int:
+    """The lowest world rank on this rank's node: equal exactly for ranks sharing a node."""
+    return _facts()[2]
+
+
+def _facts() -> tuple[int, int, int]:
     global _node
     if _node is None:
-        node = library_world().Split_type(MPI.COMM_TYPE_SHARED)
-        _node = (node.Get_rank(), node.Get_size())
+        world = library_world()
+        node = world.Split_type(MPI.COMM_TYPE_SHARED)
+        lowest = np.array([world.Get_rank()], dtype=np.int64)
+        node.Allreduce(MPI.IN_PLACE, lowest, op=MPI.MIN)
+        _node = (node.Get_rank(), node.Get_size(), int(lowest[0]))
         node.Free()
     return _node
 

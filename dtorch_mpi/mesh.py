@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
@@ -12,7 +15,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import abort
-from ._mpi import library_world, node_facts, node_local_rank
+from ._mpi import library_world, node_facts, node_id, node_local_rank
+from .comm.deadline import wait_request
 from .errors import MeshMismatchError
 from .spmd import require_same
 
@@ -127,6 +131,9 @@ class DeviceMesh:
                 color = int(np.ravel_multi_index(rest, rest_shape)) if rest else 0
                 key = self._coordinate[k]
             self._groups.append(world.Split(color, key))  # type: ignore[arg-type]
+        node_facts()  # a world collective the first time: every world rank is here
+        if array.ndim >= 2 and self._coordinate is not None:
+            _warn_if_inner_dim_crosses_hosts(self._groups[-1], array.shape, self.mesh_dim_names)
         if device_type == "cuda":
             _prepare_cuda(self._coordinate is not None)
 
@@ -298,6 +305,44 @@ def _validate_mesh(
                 f"mesh_dim_names {names} must name each of the {array.ndim} mesh dims once"
             )
     return array
+
+
+CROSSING_HOSTS = (
+    "the innermost mesh dim{name} of this {shape} mesh spans several hosts although each host runs "
+    "at least {size} ranks: its collectives (tensor parallelism, every layer) then cross the network. "
+    "Meshes put the last dim on consecutive world ranks; launch with block placement so that "
+    "consecutive ranks share a host (MPICH: mpiexec -n N -ppn K or -hosts a:K,b:K; Open MPI: "
+    "--map-by slot or --host a:K,b:K; Slurm: the default block distribution), not round robin "
+    "(-hosts a,b / --map-by node / -m cyclic)"
+)
+
+
+def _warn_if_inner_dim_crosses_hosts(group: MPI.Intracomm, shape: tuple[int, ...],
+                                     names: tuple[str, ...] | None) -> None:
+    """Warn (once per mesh, on the group's first rank) when the innermost mesh dim's ranks are
+    on several hosts although every host holds enough ranks to keep it within one: the rank
+    order of the launch, not the cluster, put it across (docs/portability.md). One small
+    ``Iallreduce`` over the innermost dim's group, bounded by the collective deadline."""
+    size = group.Get_size()
+    if size == 1:
+        return
+    mine = np.array([node_id(), -node_id(), -node_facts()[1]], dtype=np.int64)
+    low = np.empty_like(mine)
+    wait_request(group.Iallreduce(mine, low, op=MPI.MIN), "the mesh's host-placement check (Allreduce)")
+    crosses, fewest_on_a_host = low[0] != -low[1], -low[2]
+    if crosses and fewest_on_a_host >= size and group.Get_rank() == 0:
+        name = f" {names[-1]!r}" if names else ""
+        text = CROSSING_HOSTS.format(name=name, shape="x".join(map(str, shape)), size=size)
+        warnings.warn(text, RuntimeWarning, stacklevel=_user_stacklevel())
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost caller outside dtorch_mpi (a warning names the user's line)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def _prepare_cuda(member: bool) -> None:
