@@ -131,6 +131,8 @@ class DTensor:
 
     @grad.setter
     def grad(self, value: "DTensor | None") -> None:
+        if value is not None:
+            check_assigned_grad(self, value)
         self._grad = value
 
     @property
@@ -159,6 +161,8 @@ class DTensor:
         from .autograd.function import check_grad_layout
         from .autograd.graph import run_backward
 
+        if gradient is not None:
+            check_gradient_argument(self, gradient)
         if gradient is None:
             if self.size != 1:
                 raise RuntimeError(
@@ -429,6 +433,40 @@ class DTensor:
         else:
             out = _from_local_checked(local, mesh, placements, shape)
         return out.requires_grad_(requires_grad)
+
+
+def check_assigned_grad(t: DTensor, g: Any) -> None:
+    """``t.grad = g`` as PyTorch checks it (type, device, shape, dtype): the gradient must be a
+    DTensor on ``t``'s mesh with ``t``'s global shape and dtype, in any placements (a Partial
+    gradient awaiting ``reduce_gradients`` is fine). Metadata only: every rank decides alike,
+    so a wrong gradient is refused on every rank instead of mis-broadcasting on some."""
+    what = f"assigning .grad of a DTensor of shape {t.shape} ({t.dtype})"
+    if not isinstance(g, DTensor):
+        raise TypeError(
+            f"{what}: the gradient must be a DTensor or None, got {type(g).__module__}.{type(g).__name__}; "
+            f"a complete array becomes one with dt.distribute_tensor(g, t.device_mesh, t.placements)"
+        )
+    if g.device_mesh != t.device_mesh:
+        raise MeshMismatchError(f"{what}: the gradient lives on another mesh ({g.device_mesh!r})")
+    if g.shape != t.shape:
+        raise ShapeMismatchError(f"{what}: the gradient has shape {g.shape}; it must have the tensor's shape")
+    if g.dtype != t.dtype:
+        raise DTypeMismatchError(f"{what}: the gradient is {g.dtype}; cast it with g.astype(np.{t.dtype})")
+
+
+def check_gradient_argument(t: DTensor, g: Any) -> None:
+    """``t.backward(gradient=g)``: ``g`` is a DTensor of ``t``'s dtype (its shape and
+    placements are checked by ``check_grad_layout``); as PyTorch refuses a dtype mismatch."""
+    if not isinstance(g, DTensor):
+        raise TypeError(
+            f"backward(gradient=...) takes a DTensor (d loss / d self, shape {t.shape}), got "
+            f"{type(g).__module__}.{type(g).__name__}; a complete array becomes one with "
+            f"dt.distribute_tensor(g, t.device_mesh, placements), placed as backward() documents"
+        )
+    if g.dtype != t.dtype:
+        raise DTypeMismatchError(
+            f"backward(gradient=...): the gradient is {g.dtype}, the tensor {t.dtype}; cast the gradient"
+        )
 
 
 class GatherHandle:

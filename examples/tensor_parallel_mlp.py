@@ -33,7 +33,7 @@ with dt.CommCounter() as moved:
     y = model(x)
 
 reference = np.maximum(x @ state["0.weight"].T + state["0.bias"], 0) @ state["2.weight"].T + state["2.bias"]
-assert np.allclose(y, reference), "tensor-parallel output differs from NumPy"
+assert np.allclose(y.to_torch(), reference), "tensor-parallel output differs from NumPy"  # y: a Replicate DTensor
 gathered = {k: v.to_torch() for k, v in model.state_dict().items()}
 assert all(np.array_equal(gathered[k], state[k]) for k in state)
 

@@ -88,6 +88,24 @@ def _divergent_seed(mesh: dt.DeviceMesh) -> Any:
         dt.manual_seed(0)
 
 
+def _step_after_replacing(m: dt.DeviceMesh) -> None:
+    """An SGD state made for a Replicate Linear, then parallelize_module re-places it (issue 23)."""
+    lin = dt.nn.Linear(3, 5, device_mesh=m, dtype=np.float64)
+    opt = dt.optim.SGD(list(lin.named_parameters()), lr=0.1, momentum=0.9)
+    lin(np.ones((2, 3))).sum().backward()
+    opt.step()
+    dt.parallelize_module(lin, m, dt.ColwiseParallel())
+    opt.zero_grad()
+    lin(np.ones((2, 3))).sum().backward()
+    opt.step()
+
+
+def _adamw_state(step: Any) -> dict[str, Any]:
+    return {"state": {0: {"step": step, "exp_avg": np.zeros(4), "exp_avg_sq": np.zeros(4)}},
+            "param_groups": [{"params": [0], "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                              "amsgrad": False}]}
+
+
 CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = [
     # placements
     ("shard dim out of range", lambda m: _ones(m, 4, plc=[dt.Shard(2)]), dt.PlacementError, r"use a dim in \[-1, 0\]"),
@@ -170,6 +188,17 @@ CASES: list[tuple[str, Callable[[dt.DeviceMesh], Any], type[Exception], str]] = 
     ("pickle a DTensor", lambda m: pickle.dumps(_ones(m, 3)), TypeError, r"cannot be pickled.*dt\.save"),
     ("redistribute placements positionally", lambda m: _ones(m, 3).redistribute([dt.Replicate()]), TypeError, "first positional argument is device_mesh"),
     ("RowwiseParallel full-width input", lambda m: dt.parallelize_module(dt.nn.Linear(13, 6, device_mesh=m), m, dt.RowwiseParallel())(np.ones((5, 13), np.float32)), dt.ShapeMismatchError, r"expects local shape \(5, \d+\)"),
+    # training (issue 23)
+    ("use_local_output=True with grad on", lambda m: dt.parallelize_module(dt.nn.Linear(4, 6, device_mesh=m), m, dt.ColwiseParallel(use_local_output=True))(np.ones((2, 4), np.float32)), RuntimeError, r"autograd cannot follow.*use_local_output=False"),
+    ("grad of another shape", lambda m: setattr(_ones(m, 5, 3).requires_grad_(), "grad", _ones(m, 7)), dt.ShapeMismatchError, r"gradient has shape \(7,\)"),
+    ("grad as a NumPy array", lambda m: setattr(_ones(m, 5, 3).requires_grad_(), "grad", np.zeros((5, 3))), TypeError, r"must be a DTensor or None.*distribute_tensor"),
+    ("backward(gradient=ndarray)", lambda m: (_ones(m, 3).requires_grad_() * 2).backward(gradient=np.ones(3)), TypeError, r"backward\(gradient=\.\.\.\) takes a DTensor"),
+    ("Parameter of an integer DTensor", lambda m: dt.nn.Parameter(dt.zeros(3, dtype=np.int64, device_mesh=m)), TypeError, r"floating or complex.*requires_grad=False"),
+    ("AdamW lr NaN", lambda m: dt.optim.AdamW([dt.nn.Parameter(_ones(m, 4))], lr=float("nan")), ValueError, r"invalid lr nan \(must be finite"),
+    ("AdamW three betas", lambda m: dt.optim.AdamW([dt.nn.Parameter(_ones(m, 4))], betas=(0.9, 0.99, 0.999)), ValueError, r"invalid betas .*a pair"),
+    ("optimizer state step 'abc'", lambda m: dt.optim.AdamW([dt.nn.Parameter(_ones(m, 4))]).load_state_dict(_adamw_state("abc")), dt.StateDictError, r"step is 'abc'; it must be a whole number"),
+    ("optimizer state step -1", lambda m: dt.optim.AdamW([dt.nn.Parameter(_ones(m, 4))]).load_state_dict(_adamw_state(-1)), dt.StateDictError, r"step is -1"),
+    ("step after parallelize_module", _step_after_replacing, dt.PlacementError, r"^weight .*re-placed.*opt\.load_state_dict\(opt\.state_dict\(\)\)"),
     # state_dict
     ("state_dict missing key", lambda m: dt.nn.Linear(2, 3, device_mesh=m).load_state_dict({"weight": np.ones((3, 2))}), dt.StateDictError, r"missing keys \['bias'\]"),
     ("state_dict wrong shape", lambda m: dt.nn.Linear(2, 3, device_mesh=m).load_state_dict({"weight": np.ones((2, 3)), "bias": np.ones(3)}), dt.ShapeMismatchError, "weight: value has shape"),

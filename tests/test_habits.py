@@ -237,17 +237,20 @@ def test_sequential_on_a_plain_array(mesh1d: dt.DeviceMesh, check: Checker) -> N
 
 @pytest.mark.parametrize("act", ["GELU", "SiLU", "ReLU"])
 def test_local_pieces_flow_through_activations(mesh1d: dt.DeviceMesh, check: Checker, act: str) -> None:
-    """Colwise -> activation -> Rowwise with use_local_output=True: the activation runs on
-    this rank's Shard(-1) piece as a plain array; the MLP equals NumPy with one all-reduce."""
+    """Colwise -> activation -> Rowwise with use_local_output=True (inference, under no_grad:
+    with grad on it is refused, see test_tp_autograd.py): the activation runs on this rank's
+    Shard(-1) piece as a plain array; the MLP equals NumPy with one all-reduce."""
     hidden = 2 * SIZE + 1
     module, ref = ELEMENTWISE[act]
     model = nn.Sequential(nn.Linear(5, hidden, device_mesh=mesh1d, dtype=np.float64), module,
                           nn.Linear(hidden, 3, device_mesh=mesh1d, dtype=np.float64))
     sd = {k: v.to_torch() for k, v in model.state_dict().items()}
-    dt.parallelize_module(model, mesh1d, {"0": dt.ColwiseParallel(), "2": dt.RowwiseParallel()})
+    dt.parallelize_module(model, mesh1d, {"0": dt.ColwiseParallel(use_local_output=True),
+                                         "2": dt.RowwiseParallel(use_local_output=True)})
     x = reference((4, 5))
-    with dt.CommCounter() as moved:
+    with dt.CommCounter() as moved, dt.no_grad():
         y = model(x)
+    check.true(isinstance(y, np.ndarray), f"use_local_output=True returns a plain array, got {type(y).__name__}")
     want = ref(x @ sd["0.weight"].T + sd["0.bias"]) @ sd["2.weight"].T + sd["2.bias"]
     check.equal(y, want, f"{act} MLP", exact=False)
     check.true(moved.kinds() == ([] if SIZE == 1 else ["all_reduce"]), f"moved {moved.kinds()}")
@@ -262,7 +265,7 @@ def test_rowwise_plain_input_is_checked_on_every_rank(mesh1d: dt.DeviceMesh, che
     dt.parallelize_module(lin, mesh1d, dt.RowwiseParallel())
     full = reference((5, in_features))
     (_, width), (_, start) = dt.compute_local_shape_and_offset(full.shape, mesh1d, [S1])
-    check.equal(lin(full[:, start:start + width]), full @ w.T + b, f"the right slice, in={in_features}", exact=False)
+    check.equal(lin(full[:, start:start + width]).to_torch(), full @ w.T + b, f"the right slice, in={in_features}", exact=False)
     check.done()
     first = dt.compute_local_shape_and_offset(full.shape, mesh1d, [S1], coordinate=(0,))[0]
     for wrong in (full, full[:, :first[1]]):  # full width; rank 0's width everywhere

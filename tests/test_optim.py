@@ -190,7 +190,9 @@ def test_mismatched_gradient_is_refused_everywhere(mesh1d: dt.DeviceMesh) -> Non
     with pytest.raises(dt.PlacementError, match=r"fc\.bias.*Partial.*reduce_gradients"):
         opt.step()
     assert not opt.state, "a refused step changes nothing"
-    b.grad = dt.zeros(4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()])
+    with pytest.raises(dt.ShapeMismatchError, match=r"has shape \(4,\)"):  # refused where assigned, as in PyTorch
+        b.grad = dt.zeros(4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()])
+    b._grad = dt.zeros(4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()])  # behind the check
     with pytest.raises(dt.ShapeMismatchError, match=r"fc\.bias"):
         opt.step()
     b.grad = None
@@ -312,7 +314,7 @@ def test_reduce_gradients_packs_many_tensors(mesh1d: dt.DeviceMesh, mesh2d: dt.D
 
 def test_reduce_gradients_refuses_mismatched_shapes(mesh1d: dt.DeviceMesh) -> None:
     p = Parameter(dt.zeros(3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Replicate()]))
-    p.grad = dt.zeros(4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Partial()])
+    p._grad = dt.zeros(4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Partial()])  # behind .grad's check
     with pytest.raises(dt.ShapeMismatchError, match="parameter 0"):
         reduce_gradients([p])
 

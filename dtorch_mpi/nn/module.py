@@ -18,6 +18,11 @@ class Parameter(DTensor):
     def __init__(self, data: DTensor, requires_grad: bool = True) -> None:
         if not isinstance(data, DTensor):
             raise TypeError(f"Parameter wraps a DTensor, got {type(data).__name__}")
+        if requires_grad and data.dtype.kind not in "fc":
+            raise TypeError(
+                f"a Parameter that requires grad must be floating or complex (as in PyTorch); this DTensor "
+                f"is {data.dtype}: cast it (x.astype(np.float32)) or pass requires_grad=False"
+            )
         super().__init__(data.to_local(), data.spec)
         self._requires_grad = bool(requires_grad)
         if requires_grad:

@@ -5,6 +5,12 @@ wraps its forward so the module boundary declares its layouts: the input is take
 ``input_layouts`` (a local array is wrapped, a DTensor in another layout is redistributed
 explicitly), and the output is redistributed to ``output_layouts``. That is the only
 communication a style does; ``CommCounter`` shows it (Colwise then Rowwise: one all-reduce).
+
+What a style returns is a DTensor by default (``use_local_output=False``): it supports every
+operator and autograd follows it, so the plan a PyTorch user writes trains (docs/training.md,
+"Tensor-parallel styles and autograd"). ``use_local_output=True`` returns this rank's piece as a
+plain array, which autograd cannot follow: it is refused (on every rank: the verdict is
+metadata) where the output requires grad, so no plan cuts the graph silently.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..autograd.grad_mode import is_grad_enabled
 from ..dtensor import DTensor
 from ..errors import ShapeMismatchError
 from ..mesh import DeviceMesh
@@ -102,7 +109,27 @@ def _to_output(style: Any, y: DTensor) -> Any:
     out = _normalise(style.output_layouts, y.ndim)
     if y.placements != (out,):
         y = y.redistribute(placements=[out])
-    return y.to_local() if style.use_local_output else y
+    return _local_or_dtensor(style, y)
+
+
+def _local_or_dtensor(style: Any, y: DTensor) -> Any:
+    """The style's result: ``y`` itself, or (``use_local_output=True``) its local piece where
+    that cuts no graph. A plain array records nothing, so a ``y`` that requires grad (a
+    parameter or an input upstream requires it, grad mode on) would silently stop training
+    those parameters: refused instead, the same on every rank (every rank's ``y`` requires grad
+    or none does)."""
+    if not style.use_local_output:
+        return y
+    if y.requires_grad and is_grad_enabled():
+        name = type(style).__name__
+        raise RuntimeError(
+            f"{name}(use_local_output=True) would return this rank's piece as a plain array, which "
+            f"autograd cannot follow: the parameters before it (this layer's included) would get no "
+            f"gradient. Use {name}() (use_local_output=False, the default: a DTensor that trains and "
+            f"supports every operator; .to_local() is the piece), or run the forward under "
+            f"dt.no_grad() for inference"
+        )
+    return y.to_local()
 
 
 def _check_linear(module: Module, style: str, mesh: DeviceMesh) -> Linear:
@@ -115,11 +142,12 @@ def _check_linear(module: Module, style: str, mesh: DeviceMesh) -> Linear:
 
 class ColwiseParallel(ParallelStyle):
     """Shard a Linear's output features: weight ``Shard(0)``, bias ``Shard(0)``. Input
-    ``Replicate`` by default; output ``Shard(-1)`` (no communication). On an Embedding:
-    weight ``Shard(1)`` (embedding columns), output ``Shard(-1)``."""
+    ``Replicate`` by default; output ``Shard(-1)`` (no communication), a DTensor unless
+    ``use_local_output=True`` (then a plain piece, refused where it requires grad). On an
+    Embedding: weight ``Shard(1)`` (embedding columns), output ``Shard(-1)``."""
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:
+                 use_local_output: bool = False) -> None:
         self.input_layouts = input_layouts or Replicate()
         self.output_layouts = output_layouts or Shard(-1)
         self.use_local_output = use_local_output
@@ -152,7 +180,7 @@ class RowwiseParallel(ParallelStyle):
     up the rows it owns and the ``Partial("sum")`` lookup is reduced to ``output_layouts``."""
 
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:
+                 use_local_output: bool = False) -> None:
         self.input_layouts = input_layouts or Shard(-1)
         self.output_layouts = output_layouts or Replicate()
         self.use_local_output = use_local_output
@@ -171,7 +199,7 @@ class RowwiseParallel(ParallelStyle):
             y = (x @ lin.weight.T).redistribute(placements=[_normalise(self.output_layouts, x.ndim)])
             if lin.bias is not None:
                 y = y + lin.bias
-            return y.to_local() if self.use_local_output else y
+            return _local_or_dtensor(self, y)
 
         object.__setattr__(lin, "forward", forward)
         return lin

@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .checks import NON_NEGATIVE, check_betas, check_hyperparameters
 from .optimizer import Optimizer, ParamsArg
+
+_REALS = {"lr": NON_NEGATIVE, "eps": NON_NEGATIVE, "weight_decay": NON_NEGATIVE}
 
 
 class AdamW(Optimizer):
@@ -16,16 +19,14 @@ class AdamW(Optimizer):
 
     def __init__(self, params: ParamsArg, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01, amsgrad: bool = False) -> None:
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps,
                                   "weight_decay": weight_decay, "amsgrad": amsgrad})
 
     def _validate(self, group: dict[str, Any]) -> None:
-        for key in ("lr", "eps", "weight_decay"):
-            if group[key] < 0:
-                raise ValueError(f"AdamW: invalid {key} {group[key]} (must be >= 0)")
-        for i, beta in enumerate(group["betas"]):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"AdamW: invalid beta parameter at index {i}: {beta} (must be in [0, 1))")
+        check_hyperparameters("AdamW", group, _REALS, ("amsgrad",))
+        if "betas" not in group:
+            raise ValueError("AdamW: the parameter group lacks 'betas'")
+        check_betas("AdamW", group)
 
     def _state_names(self, group: dict[str, Any]) -> tuple[str, ...]:
         base = ("exp_avg", "exp_avg_sq")

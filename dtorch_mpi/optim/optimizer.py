@@ -1,5 +1,7 @@
 """Optimizer base: param groups, per-parameter state with the parameter's spec, the gradient
-placement check, zero_grad, and PyTorch's state_dict layout."""
+placement check, zero_grad, and PyTorch's state_dict layout. Hyperparameters, state and
+state_dicts are checked (``checks.py``) before anything changes: a refused ``step()`` or load
+leaves every parameter and the state as they were."""
 
 from __future__ import annotations
 
@@ -8,10 +10,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from .._mpi import library_world
 from ..autograd.function import version_of
 from ..dtensor import DTensor
 from ..errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError, StateDictError
 from ..redistribute import array_namespace
+from ..spmd import agreed
+from .checks import check_state, group_indices, state_index, step_count
 
 ParamsArg = Iterable[DTensor] | Iterable[tuple[str, DTensor]] | Iterable[dict[str, Any]]
 
@@ -60,7 +65,12 @@ class Optimizer:
         self.param_groups.append(group)
 
     def _validate(self, group: dict[str, Any]) -> None:
-        """Raise ValueError for a bad hyperparameter (subclasses check theirs)."""
+        """Raise ValueError for a bad hyperparameter (subclasses check theirs, with
+        ``checks.check_hyperparameters``; they may normalise a value in ``group``)."""
+
+    def _label(self, index: int, p: DTensor) -> str:
+        """How errors name a parameter: its name when given as ``(name, param)``."""
+        return self._names.get(id(p), f"parameter {index}")
 
     def _indexed(self) -> list[tuple[int, dict[str, Any], DTensor]]:
         """``(index, group, param)`` in PyTorch's state_dict numbering (across groups)."""
@@ -83,11 +93,21 @@ class Optimizer:
                 p.grad.to_local()[...] = 0
 
     def step(self) -> None:
-        """One update of every parameter with a gradient; local on each rank's piece."""
+        """One update of every parameter with a gradient; local on each rank's piece.
+
+        Everything is checked before the first update (hyperparameters, which a scheduler may
+        have changed in place; every gradient; every existing state, whose tensors must still
+        have their parameter's placements): a refused step changes nothing."""
+        for group in self.param_groups:
+            self._validate(group)
         work = []
         for index, group, p in self._indexed():
             if p.grad is not None:
-                _check_grad(self._names.get(id(p), f"parameter {index}"), p, p.grad)
+                label = self._label(index, p)
+                _check_grad(label, p, p.grad)
+                state = self.state.get(p)
+                if state is not None:
+                    check_state(label, p, state, self._state_names(group))
                 work.append((group, p))
         for group, p in work:
             xp = array_namespace(p.device_mesh.device_type)
@@ -126,11 +146,14 @@ class Optimizer:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore hyperparameters and state. State tensors may be DTensors on the parameter's
         mesh (redistributed to its placements when they differ) or complete arrays (each rank
-        keeps its piece); values are checked on every rank before anything changes."""
+        keeps its piece); values are checked on every rank before anything changes, and a
+        refusal on any rank (e.g. a state_dict that differs between ranks) raises on every rank
+        (agreed over the library's world, as ``load_into`` agrees its checks)."""
         from ..nn.module import Parameter
         from ..nn.state import load_into
 
-        pending = self.prepare_load(state_dict)
+        with agreed(library_world()):
+            pending = self.prepare_load(state_dict)
         load_into(cast(dict[str, Parameter], pending.targets), pending.values)
         pending.apply()
 
@@ -141,42 +164,65 @@ class Optimizer:
         with a ``shape``) before ``apply()``. ``dtorch.load`` fills them from a checkpoint."""
         if not isinstance(state_dict, Mapping) or set(state_dict) != {"state", "param_groups"}:
             raise StateDictError('an optimizer state_dict is a mapping with keys "state" and "param_groups"')
-        saved_groups = list(state_dict["param_groups"])
+        saved_groups, saved_states = state_dict["param_groups"], state_dict["state"]
+        if isinstance(saved_groups, (Mapping, str)) or not isinstance(saved_groups, Iterable):
+            raise StateDictError(f"the state_dict's param_groups is a {type(saved_groups).__name__}, not a list")
+        if not isinstance(saved_states, Mapping):
+            raise StateDictError(f"the state_dict's state is a {type(saved_states).__name__}, not a mapping")
+        saved_groups = list(saved_groups)
+        indices = [group_indices(s, f"the state_dict's param_groups[{k}]") for k, s in enumerate(saved_groups)]
         if len(saved_groups) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+                len(i) != len(g["params"]) for i, g in zip(indices, self.param_groups)):
             raise StateDictError(
                 "the state_dict's parameter groups do not match this optimizer's: saved sizes "
-                f"{[len(s['params']) for s in saved_groups]}, here {[len(g['params']) for g in self.param_groups]}")
+                f"{[len(i) for i in indices]}, here {[len(g['params']) for g in self.param_groups]}")
+        flat = [i for group_ix in indices for i in group_ix]
+        if len(set(flat)) != len(flat):
+            raise StateDictError(f"the state_dict's param_groups name a parameter index twice: {flat}")
         new_groups = [{**group, **{k: copy.deepcopy(v) for k, v in saved.items() if k != "params"}}
                       for saved, group in zip(saved_groups, self.param_groups)]
-        for group in new_groups:
-            self._validate(group)
+        for k, group in enumerate(new_groups):
+            try:
+                self._validate(group)
+            except ValueError as exc:  # a malformed value, not a layout that does not fit: ValueError
+                raise ValueError(f"the state_dict's param_groups[{k}]: {exc}") from exc
         owner: dict[int, tuple[dict[str, Any], DTensor]] = {}
-        for saved, group in zip(saved_groups, new_groups):
-            owner.update((i, (group, p)) for i, p in zip(saved["params"], group["params"]))
+        for group_ix, group in zip(indices, new_groups):
+            owner.update((i, (group, p)) for i, p in zip(group_ix, group["params"]))
         pending = PendingLoad(self, new_groups)
-        for key_, saved_state in state_dict["state"].items():
-            index = int(key_)  # a checkpoint may give the indices back as strings
+        for key_, saved_state in saved_states.items():
+            index = state_index(key_)  # a checkpoint may give the indices back as strings
             if index not in owner:
                 raise StateDictError(f"state for parameter {index}, which no group holds")
             group, p = owner[index]
-            xp = array_namespace(p.device_mesh.device_type)
-            names = self._state_names(group)
-            entry: dict[str, Any] = {}
-            for name, value in saved_state.items():
-                if name in names:
-                    key = f"{index}.{name}"
-                    entry[name] = pending.targets[key] = DTensor(xp.zeros(p.spec.local_shape, dtype=p.dtype), p.spec)
-                    pending.values[key] = value
-                elif isinstance(value, DTensor) or hasattr(value, "shape"):
-                    raise StateDictError(f"state of parameter {index} has an unexpected tensor {name!r}")
-                else:
-                    entry[name] = copy.deepcopy(value)
-            missing = set(names) - set(entry)
-            if missing:
-                raise StateDictError(f"state of parameter {index} lacks {sorted(missing)}")
-            pending.state[p] = entry
+            if p in pending.state:
+                raise StateDictError(f"the state_dict holds parameter {index}'s state twice")
+            label = self._label(index, p)
+            pending.state[p] = self._checked_entry(label, index, group, p, saved_state, pending)
         return pending
+
+    def _checked_entry(self, label: str, index: int, group: dict[str, Any], p: DTensor, saved: Any,
+                       pending: PendingLoad) -> dict[str, Any]:
+        """One parameter's loaded state: exactly ``step`` (a count) and the group's state
+        tensors, each a new zero DTensor with ``p``'s spec to be filled from the saved value."""
+        names = self._state_names(group)
+        if not isinstance(saved, Mapping):
+            raise StateDictError(f"state of {label} is a {type(saved).__name__}, not a mapping")
+        unexpected, missing = set(saved) - {"step", *names}, {"step", *names} - set(saved)
+        if unexpected or missing:
+            raise StateDictError(
+                f"state of {label} has entries {sorted(map(str, saved))}; this optimizer's state (for its "
+                f"hyperparameters) holds exactly {sorted(['step', *names])}"
+                + (f": unexpected {sorted(map(str, unexpected))}" if unexpected else "")
+                + (f": lacks {sorted(missing)}" if missing else ""))
+        entry: dict[str, Any] = {"step": step_count(label, saved["step"])}
+        xp = array_namespace(p.device_mesh.device_type)
+        for name in names:
+            value = saved[name]  # its kind and shape are checked by whoever fills the target
+            key = f"{index}.{name}"
+            entry[name] = pending.targets[key] = DTensor(xp.zeros(p.spec.local_shape, dtype=p.dtype), p.spec)
+            pending.values[key] = value
+        return entry
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

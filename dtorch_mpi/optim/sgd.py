@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .checks import ANY_FINITE, NON_NEGATIVE, check_hyperparameters
 from .optimizer import Optimizer, ParamsArg
+
+_REALS = {"lr": NON_NEGATIVE, "momentum": NON_NEGATIVE, "dampening": ANY_FINITE, "weight_decay": NON_NEGATIVE}
 
 
 class SGD(Optimizer):
@@ -18,9 +21,7 @@ class SGD(Optimizer):
                                   "weight_decay": weight_decay, "nesterov": nesterov})
 
     def _validate(self, group: dict[str, Any]) -> None:
-        for key in ("lr", "momentum", "weight_decay"):
-            if group[key] < 0:
-                raise ValueError(f"SGD: invalid {key} {group[key]} (must be >= 0)")
+        check_hyperparameters("SGD", group, _REALS, ("nesterov",))
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("SGD: Nesterov momentum requires momentum > 0 and dampening = 0")
 
