@@ -3,10 +3,11 @@ functions (``functional``) and gradient utilities (``utils``)."""
 
 from . import functional, utils
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, RMSNorm, Sequential, SiLU, default_mesh, linear
+from .fsdp import fully_shard
 from .module import Module, Parameter
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from .state import load_into
 
 __all__ = ["GELU", "ColwiseParallel", "Dropout", "Embedding", "LayerNorm", "Linear", "Module", "ParallelStyle",
            "Parameter", "RMSNorm", "ReLU", "RowwiseParallel", "Sequential", "SiLU", "default_mesh", "functional",
-           "linear", "load_into", "parallelize_module", "utils"]
+           "fully_shard", "linear", "load_into", "parallelize_module", "utils"]

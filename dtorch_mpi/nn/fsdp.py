@@ -1,0 +1,344 @@
+"""``fully_shard``: sharded data parallel (ZeRO-3 / PyTorch FSDP2) on the autograd hooks.
+
+A *unit* is one ``fully_shard(module)`` call: the parameters of ``module``'s subtree that no
+inner call claimed (apply it bottom-up: blocks first, the root last). Between uses every
+parameter is stored ``Shard(0)`` over the mesh (the registered ``Parameter``, which the
+optimizer, ``state_dict`` and checkpoints see); a unit gathers its parameters into one buffer
+of *gathered* parameters (``Replicate``, leaves of their own) that its module computes on:
+
+============================  =============================================================
+point                         what the unit does
+============================  =============================================================
+its forward starts            finish its all-gather (prefetched or now), start the next
+                              unit's (forward order of the previous pass), swap the gathered
+                              parameters into the module's attributes
+its forward returns           swap the sharded ones back; free the buffer
+                              (``reshard_after_forward``); a pre-backward hook on each output
+a hook on its outputs fires   (pre-backward) finish its all-gather, start the all-gather of
+                              the unit that runs backward next (reverse forward order)
+a gathered grad is complete   (post-accumulate-grad hook) once all of the unit's are: start
+                              their reduce-scatters to ``Shard(0)`` (nonblocking, the
+                              previous unit's finished first), free the buffer
+backward finishes             (queued callback) finish every reduce-scatter into the sharded
+                              parameters' ``.grad``; reduce units whose gradients were only
+                              partly complete; free every buffer
+============================  =============================================================
+
+The buffer is an anonymous memory map on CPU: freeing it returns its pages to the system
+(``madvise(MADV_DONTNEED)``) while the arrays that backward kernels saved keep pointing at it,
+so a re-gather restores them in place. Every decision is a function of the program's calls
+and metadata, so every rank starts the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..autograd.accumulate import accumulate
+from ..autograd.grad_mode import is_grad_enabled, no_grad
+from ..autograd.graph import current_backward, queue_callback, register_hook, register_post_accumulate_grad_hook
+from ..dtensor import DTensor
+from ..errors import MeshMismatchError, PlacementError
+from ..mesh import DeviceMesh
+from ..placement import Replicate, Shard
+from ..redistribute import array_namespace
+from .module import Module, Parameter
+
+_ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
+
+
+@dataclass
+class _Slot:
+    """One parameter of a unit: the sharded leaf, its gathered twin and where it is used."""
+
+    sharded: Parameter
+    gathered: Parameter
+    owners: list[tuple[Module, str]]
+    ready: bool = False  # its gathered gradient is complete in this backward
+
+
+class _Buffer:
+    """One unit's gathered parameters, in one allocation that can give its memory back."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], np.dtype]], device_type: str) -> None:
+        offsets, at = [], 0
+        for shape, dtype in specs:
+            offsets.append(at)
+            at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+        self._map: mmap.mmap | None = None
+        if device_type == "cpu":
+            self._map = mmap.mmap(-1, max(at, 1))
+            raw: Any = np.frombuffer(self._map, dtype=np.uint8)
+        else:  # device memory cannot be given back in place: the buffer stays allocated
+            raw = array_namespace(device_type).empty(max(at, 1), dtype=np.uint8)
+        self.views = [raw[o:o + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+                      for (shape, dtype), o in zip(specs, offsets)]
+        self.nbytes = at
+
+    def release(self) -> None:
+        """Give the pages back (their contents read as zeros until written again)."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+
+@dataclass
+class _Group:
+    """The units of one root (merged bottom-up): the forward order and the backward state."""
+
+    units: list["_Unit"] = field(default_factory=list)
+    order: list["_Unit"] = field(default_factory=list)  # the last complete forward pass
+    current: list["_Unit"] = field(default_factory=list)
+    active: int = 0  # units of the group inside their forward now
+    frame: Any = None  # the backward this group queued its end callback in
+    reducing: list[tuple[_Slot, DTensor]] = field(default_factory=list)
+
+    def neighbour(self, unit: "_Unit", step: int) -> "_Unit | None":
+        """The unit after (``step=1``) or before (``-1``) ``unit`` in the last forward order."""
+        if unit not in self.order:
+            return None
+        i = self.order.index(unit) + step
+        return self.order[i] if 0 <= i < len(self.order) else None
+
+    def join_backward(self) -> None:
+        frame = current_backward()
+        if frame is not None and self.frame is not frame:
+            self.frame = frame
+            queue_callback(self.finish_backward)
+
+    def finish_reductions(self) -> None:
+        """Wait for the reduce-scatters in flight; add each result to its parameter's .grad."""
+        reducing, self.reducing = self.reducing, []
+        for slot, pending in reducing:
+            local = pending.to_local()
+            base = getattr(local, "base", None)
+            if base is not None and base.nbytes > local.nbytes:
+                local = local.copy()  # a slice of a replicated gradient: own only its bytes
+            shard = DTensor(local, pending.spec)
+            old = slot.sharded.grad
+            slot.sharded.grad = shard if old is None else accumulate(old, shard)
+
+    def finish_backward(self) -> None:
+        for unit in self.units:
+            if any(s.ready for s in unit.slots) and not unit.reduced:
+                unit.reduce()  # some gradients never came: reduce the ones that did
+        self.finish_reductions()
+        for unit in self.units:
+            unit.free()
+            unit.reduced = False
+            for s in unit.slots:
+                s.ready = False
+        self.frame = None
+
+
+class _Unit:
+    """One ``fully_shard`` call's parameters and their gather / free / reduce state."""
+
+    def __init__(self, module: Module, mesh: DeviceMesh, slots: list[_Slot], buffer: _Buffer,
+                 reshard_after_forward: bool) -> None:
+        self.module, self.mesh, self.slots, self.buffer = module, mesh, slots, buffer
+        self.reshard_after_forward = reshard_after_forward
+        self.group = _Group(units=[self])
+        self.state = "free"  # free | pending | gathered
+        self.pending: list[DTensor] = []
+        self.reduced = False
+
+    # --- gather and free ----------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Start every parameter's all-gather (nonblocking); a no-op unless free."""
+        if self.state != "free":
+            return
+        with no_grad():
+            self.pending = [s.sharded.redistribute(placements=[Replicate()], async_op=True) for s in self.slots]
+        self.state = "pending"
+
+    def gather(self) -> None:
+        """Make the gathered parameters hold the current values (waiting as needed)."""
+        self.start_gather()
+        if self.state == "pending":
+            for view, full in zip(self.buffer.views, self.pending):
+                view[...] = full.to_local()
+            self.pending = []
+            self.state = "gathered"
+
+    def free(self) -> None:
+        if self.state == "pending":
+            for full in self.pending:
+                full.wait()  # a prefetch nobody used: its collective still completes
+            self.pending = []
+        self.buffer.release()
+        self.state = "free"
+
+    def expose(self, gathered: bool) -> None:
+        """Point every owner's attribute at the gathered (or back at the sharded) parameter."""
+        for s in self.slots:
+            for owner, name in s.owners:
+                object.__setattr__(owner, name, s.gathered if gathered else s.sharded)
+
+    # --- forward ------------------------------------------------------------------------
+    def forward(self, inner: Any, *args: Any, **kwargs: Any) -> Any:
+        group = self.group
+        if group.active == 0:
+            group.current = []
+        group.active += 1
+        if self not in group.current:
+            group.current.append(self)
+        try:
+            self.gather()
+            after = group.neighbour(self, 1)
+            if after is not None:
+                after.start_gather()  # forward prefetch
+            self.expose(True)
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self.expose(False)
+        finally:
+            group.active -= 1
+            if group.active == 0:
+                group.order = group.current
+        training = is_grad_enabled() and any(s.gathered.requires_grad for s in self.slots)
+        if training:
+            for t in _tensors(out):
+                if t.requires_grad:
+                    register_hook(t, self._pre_backward)
+        if self.reshard_after_forward or not training:
+            self.free()
+        return out
+
+    # --- backward -----------------------------------------------------------------------
+    def _pre_backward(self, grad: DTensor) -> None:
+        self.group.join_backward()
+        self.gather()
+        before = self.group.neighbour(self, -1)
+        if before is not None:
+            before.start_gather()  # backward prefetch: the unit whose backward runs next
+        return None
+
+    def grad_complete(self, slot: _Slot) -> None:
+        """A gathered parameter's gradient is complete; reduce the unit once all are."""
+        self.group.join_backward()
+        if self.state != "gathered":
+            raise RuntimeError(
+                f"fully_shard: the backward of {type(self.module).__name__} ran while its parameters were "
+                f"freed (its gradient reached the module other than through the tensors its forward "
+                f"returned); return every tensor that later computation uses, or pass "
+                f"reshard_after_forward=False")
+        slot.ready = True
+        if all(s.ready or not s.gathered.requires_grad for s in self.slots):
+            self.reduce()
+            self.free()
+
+    def reduce(self) -> None:
+        """Start the reduce-scatter of every complete gathered gradient to ``Shard(0)``."""
+        group = self.group
+        group.finish_reductions()  # at most one unit's gradients in flight
+        for s in self.slots:
+            g = s.gathered.grad
+            if g is None or not s.ready:
+                continue
+            s.gathered.grad = None
+            with no_grad():
+                group.reducing.append((s, g.redistribute(placements=[Shard(0)], async_op=True)))
+        self.reduced = True
+
+
+def _tensors(out: Any) -> Iterator[DTensor]:
+    """The DTensors in a forward's output (nested tuples, lists and dicts)."""
+    if isinstance(out, DTensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for x in out:
+            yield from _tensors(x)
+    elif isinstance(out, dict):
+        for x in out.values():
+            yield from _tensors(x)
+
+
+def _unit_of(module: Module) -> _Unit | None:
+    return module.__dict__.get("_fsdp_unit")
+
+
+def _claim(module: Module, mesh: DeviceMesh) -> tuple[list[_Slot], list[_Unit]]:
+    """The parameters of ``module``'s subtree that no inner unit holds, with every attribute
+    that refers to each, and the inner units found."""
+    inner: list[_Unit] = []
+    claimed: set[int] = set()
+    for name, m in module.named_modules():
+        unit = _unit_of(m)
+        if unit is not None and m is not module:
+            inner.append(unit)
+            claimed.update(id(s.sharded) for s in unit.slots)
+    slots: dict[int, _Slot] = {}
+    for mod_name, m in module.named_modules():
+        for name, p in m._parameters.items():
+            if id(p) in claimed:
+                continue
+            if id(p) not in slots:
+                _check_param(f"{mod_name}.{name}" if mod_name else name, p, mesh)
+                slots[id(p)] = _Slot(p, p, [])
+            slots[id(p)].owners.append((m, name))
+    return list(slots.values()), inner
+
+
+def _check_param(name: str, p: Parameter, mesh: DeviceMesh) -> None:
+    """Every rank sees the same metadata, so every rank raises the same error here."""
+    if p.device_mesh != mesh:
+        raise MeshMismatchError(
+            f"fully_shard: parameter {name} lives on {p.device_mesh!r}, not on the mesh given "
+            f"({mesh!r}); build the module on that mesh")
+    if p.ndim == 0:
+        raise PlacementError(
+            f"fully_shard: parameter {name} is 0-d and cannot be Shard(0); store it with shape (1,)")
+    if p.placements not in ((Replicate(),) * mesh.ndim, (Shard(0),)):
+        raise PlacementError(
+            f"fully_shard: parameter {name} is placed {list(p.placements)}; fully_shard takes replicated "
+            f"(or already Shard(0)) parameters on a 1-D mesh")
+
+
+def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> Module:
+    """Shard ``module``'s unclaimed parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
+    returns the module. Apply bottom-up (blocks, then the root); see docs/training.md."""
+    if not isinstance(module, Module):
+        raise TypeError(f"fully_shard takes a dtorch_mpi.nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(module, *, mesh=...): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"fully_shard needs a 1-D mesh (the data-parallel dim), got a {mesh.ndim}-D mesh; "
+                         f"pass a sub-mesh such as mesh['dp']")
+    if _unit_of(module) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    slots, inner = _claim(module, mesh)
+    xp = array_namespace(mesh.device_type)
+    for s in slots:
+        p = s.sharded
+        if p.placements != (Shard(0),):
+            with no_grad():
+                moved = p.redistribute(placements=[Shard(0)])
+            p._replace(xp.array(moved.to_local(), copy=True), moved.spec)  # own only its rows
+    buffer = _Buffer([(s.sharded.shape, s.sharded.dtype) for s in slots], mesh.device_type)
+    for s, view in zip(slots, buffer.views):
+        spec = s.sharded.spec.with_placements((Replicate(),))
+        s.gathered = Parameter(DTensor(view, spec), requires_grad=s.sharded.requires_grad)
+    buffer.release()
+    unit = _Unit(module, mesh, slots, buffer, reshard_after_forward)
+    for s in slots:
+        if s.gathered.requires_grad:
+            register_post_accumulate_grad_hook(s.gathered, lambda _g, s=s: unit.grad_complete(s))
+    group = unit.group
+    for child in inner:  # the new unit becomes the root of every inner unit's group
+        group.units.extend(u for u in child.group.units if u not in group.units)
+    for u in group.units:
+        u.group = group
+    object.__setattr__(module, "_fsdp_unit", unit)
+    inner_forward = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return unit.forward(inner_forward, *args, **kwargs)
+
+    object.__setattr__(module, "forward", forward)
+    return module
