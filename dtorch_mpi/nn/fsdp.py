@@ -72,7 +72,7 @@ class _Buffer:
             at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
         self._map: mmap.mmap | None = None
         if device_type == "cpu":
-            self._map = mmap.mmap(-1, max(at, 1))
+            self._map = mmap.mmap(-1, max(at, 1), flags=mmap.MAP_PRIVATE)  # private: DONTNEED frees the pages
             raw: Any = np.frombuffer(self._map, dtype=np.uint8)
         else:  # device memory cannot be given back in place: the buffer stays allocated
             raw = array_namespace(device_type).empty(max(at, 1), dtype=np.uint8)
@@ -294,14 +294,14 @@ def _check_param(name: str, p: Parameter, mesh: DeviceMesh) -> None:
     if p.ndim == 0:
         raise PlacementError(
             f"fully_shard: parameter {name} is 0-d and cannot be Shard(0); store it with shape (1,)")
-    if p.placements not in ((Replicate(),) * mesh.ndim, (Shard(0),)):
+    if p.placements != (Replicate(),):
         raise PlacementError(
             f"fully_shard: parameter {name} is placed {list(p.placements)}; fully_shard takes replicated "
-            f"(or already Shard(0)) parameters on a 1-D mesh")
+            f"parameters (apply it before any other plan places them; 2-D FSDP x TP is not supported yet)")
 
 
 def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> Module:
-    """Shard ``module``'s unclaimed parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
+    """Shard ``module``'s unclaimed (replicated) parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
     returns the module. Apply bottom-up (blocks, then the root); see docs/training.md."""
     if not isinstance(module, Module):
         raise TypeError(f"fully_shard takes a dtorch_mpi.nn.Module, got {type(module).__name__}")
@@ -316,10 +316,9 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     xp = array_namespace(mesh.device_type)
     for s in slots:
         p = s.sharded
-        if p.placements != (Shard(0),):
-            with no_grad():
-                moved = p.redistribute(placements=[Shard(0)])
-            p._replace(xp.array(moved.to_local(), copy=True), moved.spec)  # own only its rows
+        with no_grad():
+            moved = p.redistribute(placements=[Shard(0)])
+        p._replace(xp.array(moved.to_local(), copy=True), moved.spec)  # own only its rows
     buffer = _Buffer([(s.sharded.shape, s.sharded.dtype) for s in slots], mesh.device_type)
     for s, view in zip(slots, buffer.views):
         spec = s.sharded.spec.with_placements((Replicate(),))
