@@ -2,8 +2,8 @@
 functions (``functional``) and gradient utilities (``utils``)."""
 
 from . import functional, utils
-from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, RMSNorm, Sequential, SiLU, default_mesh, linear
 from .fsdp import fully_shard
+from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, RMSNorm, Sequential, SiLU, default_mesh, linear
 from .module import Module, Parameter
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from .state import load_into

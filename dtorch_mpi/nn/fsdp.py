@@ -33,7 +33,7 @@ and metadata, so every rank starts the same collectives in the same order.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,7 +268,7 @@ def _claim(module: Module, mesh: DeviceMesh) -> tuple[list[_Slot], list[_Unit]]:
     that refers to each, and the inner units found."""
     inner: list[_Unit] = []
     claimed: set[int] = set()
-    for name, m in module.named_modules():
+    for m in module.modules():
         unit = _unit_of(m)
         if unit is not None and m is not module:
             inner.append(unit)
@@ -300,6 +300,10 @@ def _check_param(name: str, p: Parameter, mesh: DeviceMesh) -> None:
             f"parameters (apply it before any other plan places them; 2-D FSDP x TP is not supported yet)")
 
 
+def _on_grad_complete(unit: _Unit, slot: _Slot) -> Callable[[DTensor], None]:
+    return lambda _leaf: unit.grad_complete(slot)
+
+
 def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> Module:
     """Shard ``module``'s unclaimed (replicated) parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
     returns the module. Apply bottom-up (blocks, then the root); see docs/training.md."""
@@ -327,7 +331,7 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     unit = _Unit(module, mesh, slots, buffer, reshard_after_forward)
     for s in slots:
         if s.gathered.requires_grad:
-            register_post_accumulate_grad_hook(s.gathered, lambda _g, s=s: unit.grad_complete(s))
+            register_post_accumulate_grad_hook(s.gathered, _on_grad_complete(unit, s))
     group = unit.group
     for child in inner:  # the new unit becomes the root of every inner unit's group
         group.units.extend(u for u in child.group.units if u not in group.units)
