@@ -16,6 +16,8 @@ Plans (``PLANS``: placements per mesh dim, as data):
               just before its forward and frees them after, re-gathers in backward and
               reduce-scatters the gradients during backward (no ``reduce_gradients``)
   fsdp_keep   the same with ``reshard_after_forward=False`` (gathered from forward to backward)
+  fsdp_tp     2-D: dp_tp's tensor-parallel placements, then ``fully_shard`` over the dp dim
+              (each tp piece split further over dp; stored on the (tp, dp) order of the mesh)
 The model: ``head(gelu(fc2(gelu(fc1(x)))))``, GELU in its tanh form, float64, initialised from
 the sharding-invariant RNG (the same weights on every plan). Each step: forward, backward,
 ``reduce_gradients``, optimizer step (SGD with momentum, or AdamW).
@@ -52,6 +54,8 @@ PLANS: dict[str, dict[str, Any]] = {
              "fully_shard": {"reshard_after_forward": True}},
     "fsdp_keep": {"batch": [S0], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R]),
                   "fully_shard": {"reshard_after_forward": False}},
+    "fsdp_tp": {"batch": [S0, R], "fc1": ([R, S0], [R, S0]), "fc2": ([R, S1], [R, R]), "head": ([R, S0], [R, S0]),
+                "fully_shard": {"reshard_after_forward": True}},
 }
 """Per plan: the batch's placements, each layer's (weight, bias) placements and, for the
 fully sharded plans, the ``fully_shard`` options (applied per layer, then to the model)."""
@@ -59,7 +63,7 @@ fully sharded plans, the ``fully_shard`` options (applied per layer, then to the
 
 def mesh_shape(plan: str, size: int) -> tuple[int, ...] | None:
     """The plan's mesh at ``size`` ranks (None: the plan needs another rank count)."""
-    if plan != "dp_tp":
+    if plan not in ("dp_tp", "fsdp_tp"):
         return (size,)
     return (2, size // 2) if size % 2 == 0 else None
 
@@ -102,6 +106,7 @@ def apply_plan(model: MLP, plan: str) -> None:
     options = PLANS[plan].get("fully_shard")
     if options is not None:
         mesh = model.fc1.weight.device_mesh
+        mesh = mesh["dp"] if mesh.ndim == 2 else mesh  # 2-D: shard over dp, inside the tp pieces
         for layer in ("fc1", "fc2", "head"):
             dt.fully_shard(getattr(model, layer), mesh=mesh, **options)
         dt.fully_shard(model, mesh=mesh, **options)

@@ -83,23 +83,32 @@ def test_gradients_equal_the_replicated_model(mesh1d: dt.DeviceMesh, width: int,
 
 
 def _expected_bytes(model: nn.Module) -> int:
-    """sum over parameters of (complete - own shard) bytes: what an all-gather receives and a
-    reduce-scatter sends on this rank."""
-    return sum(p.size * p.dtype.itemsize - p.to_local().nbytes for p in model.parameters())
+    """sum over parameters of (gathered piece - own shard) bytes: what an all-gather receives
+    and a reduce-scatter sends on this rank (the gathered piece: the complete parameter, or
+    its tensor-parallel piece on the 2-D plan)."""
+    slots = [s for m in model.modules() if "_fsdp_unit" in m.__dict__ for s in m.__dict__["_fsdp_unit"].slots]
+    assert len(slots) == len(list(model.parameters()))
+    return sum(int(np.prod(s.gathered.spec.local_shape)) * s.gathered.dtype.itemsize - s.sharded.to_local().nbytes
+               for s in slots)
 
 
-@pytest.mark.parametrize("reshard", RESHARD)
-def test_communication_is_zero3(reshard: bool, check: Checker) -> None:
-    plan = "fsdp" if reshard else "fsdp_keep"
-    mesh = dt.init_device_mesh("cpu", (SIZE,), mesh_dim_names=("dp",))
+PLANS = [p for p in ("fsdp", "fsdp_keep", "fsdp_tp") if train_mlp.mesh_shape(p, SIZE) is not None]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_communication_is_zero3(plan: str, check: Checker) -> None:
+    reshard = train_mlp.PLANS[plan]["fully_shard"]["reshard_after_forward"]
+    shape = train_mlp.mesh_shape(plan, SIZE)
+    assert shape is not None
+    mesh = dt.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[:len(shape)])
     try:
         dt.manual_seed(0)
         model = train_mlp.MLP(3, mesh)
         train_mlp.apply_plan(model, plan)
         opt = dt.optim.AdamW(list(model.parameters()), lr=0.01)
         x_full, y_full = train_mlp.dataset("regression")
-        x = dt.distribute_tensor(x_full, mesh, [S0])
-        y = dt.distribute_tensor(y_full, mesh, [S0])
+        x = dt.distribute_tensor(x_full, mesh, train_mlp.PLANS[plan]["batch"])
+        y = dt.distribute_tensor(y_full, mesh, train_mlp.PLANS[plan]["batch"])
         smallest = min(p.size * p.dtype.itemsize for p in model.parameters())
         for step in range(2):  # the second step runs with forward prefetch
             opt.zero_grad()
@@ -108,19 +117,19 @@ def test_communication_is_zero3(reshard: bool, check: Checker) -> None:
                 opt.step()
             s = moved.summary()
             expect = _expected_bytes(model)
-            gathered = s.get(("all_gather", 0), (0, 0, 0))[2]
-            scattered = s.get(("reduce_scatter", 0), (0, 0, 0))[1]
+            gathered = sum(r.bytes_recv for r in moved.records if r.kind == "all_gather")
+            scattered = sum(r.bytes_sent for r in moved.records if r.kind == "reduce_scatter")
             check.true(gathered == (2 if reshard else 1) * expect,
                        f"step {step}: all-gathers received {gathered}, ZeRO-3 says {(2 if reshard else 1)} x {expect}")
             check.true(scattered == expect, f"step {step}: reduce-scatters sent {scattered}, ZeRO-3 says {expect}")
             big = [r for r in moved.records if r.kind == "all_reduce" and r.bytes_sent >= smallest]
-            check.true(not big, f"step {step}: parameter-sized all-reduces {big}")
+            check.true(plan == "fsdp_tp" or not big, f"step {step}: parameter-sized all-reduces {big}")
             check.true(set(k for k, _ in s) <= {"all_gather", "reduce_scatter", "all_reduce"}, f"kinds {s}")
             check.true(all(r.nonblocking for r in moved.records if r.kind in ("all_gather", "reduce_scatter")),
                        "FSDP collectives run nonblocking")
-        for state in opt.state.values():
-            check.true(state["exp_avg"].placements == (S0,) and state["exp_avg_sq"].placements == (S0,),
-                       "optimizer state follows the Shard(0) parameter")
+        for p, state in opt.state.items():
+            check.true(p.placements[-1] == S0 and state["exp_avg"].spec == p.spec and state["exp_avg_sq"].spec == p.spec,
+                       "optimizer state follows the sharded parameter")
     finally:
         mesh.free()
     check.done()
@@ -228,7 +237,7 @@ def test_refusals(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
     tp = Tower(3, mesh1d)
     dt.parallelize_module(tp, mesh1d, {"a": dt.ColwiseParallel()})
     dt.fully_shard(tp.b, mesh=mesh1d)
-    with pytest.raises(dt.PlacementError, match=r"a.weight is placed \[Shard\(dim=0\)\]; fully_shard takes replicated"):
+    with pytest.raises(dt.PlacementError, match=r"a.weight is placed \[Shard\(dim=0\)\] on the data-parallel mesh; fully_shard takes replicated"):
         dt.fully_shard(tp, mesh=mesh1d)
     twice = Tower(3, mesh1d)
     dt.fully_shard(twice, mesh=mesh1d)
@@ -236,3 +245,60 @@ def test_refusals(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
         dt.fully_shard(twice, mesh=mesh1d)
     with pytest.raises(TypeError, match="mesh must be a DeviceMesh"):
         dt.fully_shard(Tower(3, mesh1d), mesh="dp")  # type: ignore[arg-type]
+
+
+class Pair(nn.Module):
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 7, device_mesh=mesh, dtype=np.float64)
+        self.b = nn.Linear(7, 3, device_mesh=mesh, dtype=np.float64)
+
+    def forward(self, x: Any) -> Any:
+        return self.b(F.gelu(self.a(x), "tanh"))
+
+
+@pytest.mark.skipif(SIZE % 2 != 0, reason="a (2, N/2) mesh")
+@pytest.mark.parametrize("reshard", RESHARD)
+def test_fsdp_over_tensor_parallel_styles(reshard: bool, check: Checker) -> None:
+    """torchtitan's 2-D recipe: parallelize_module on mesh['tp'], then fully_shard on mesh['dp'].
+    The parameters become DTensors on the (tp, dp) order of the 2-D mesh, each tp piece split
+    over dp (Colwise rows nest: the dp split inside the tp one); each dp group feeds its half of
+    the batch, and the gradients (averaged over dp, as FSDP does) equal the replicated model's
+    on the whole batch."""
+    mesh = dt.init_device_mesh("cpu", (2, SIZE // 2), mesh_dim_names=("dp", "tp"))
+    try:
+        x = np.random.default_rng(3).standard_normal((6, 4))
+        y = np.random.default_rng(4).standard_normal((6, 3))
+        dt.manual_seed(0)
+        plain = Pair(mesh["tp"])
+        F.mse_loss(plain(dt.distribute_tensor(x, mesh["tp"], [R])), dt.distribute_tensor(y, mesh["tp"], [R])).backward()
+        want = {k: np.array(p.grad.to_torch()) for k, p in plain.named_parameters()}
+        values = {k: np.array(p.to_torch()) for k, p in plain.named_parameters()}
+        dt.manual_seed(0)
+        model = Pair(mesh["tp"])
+        dt.parallelize_module(model, mesh["tp"], {"a": dt.ColwiseParallel(use_local_output=False),
+                                                  "b": dt.RowwiseParallel(use_local_output=False)})
+        for layer in (model.a, model.b, model):
+            dt.fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        placed = {k: p.placements for k, p in model.named_parameters()}
+        check.true(placed == {"a.weight": (S0, S0), "a.bias": (S0, S0), "b.weight": (dt.Shard(1), S0),
+                              "b.bias": (R, S0)}, f"placements {placed}")
+        store = model.a.weight.device_mesh
+        check.true(store.mesh_dim_names == ("tp", "dp") and np.array_equal(store.mesh, mesh.mesh.T), "store mesh")
+        rows = np.array_split(np.arange(7), SIZE // 2)[mesh.get_coordinate()[1]]  # this rank's tp rows
+        mine = np.array_split(rows, 2)[mesh.get_coordinate()[0]]  # split again over dp
+        check.equal(model.a.weight.to_local(), values["a.weight"][mine], "the dp split nests inside the tp piece")
+        for k, p in model.named_parameters():
+            check.equal(p.to_torch(), values[k], f"{k} complete value")
+        dp = mesh.get_coordinate()[0]
+        half = slice(3 * dp, 3 * dp + 3)
+        out = model(dt.distribute_tensor(x[half], mesh["tp"], [R]))
+        F.mse_loss(out, dt.distribute_tensor(y[half], mesh["tp"], [R])).backward()
+        for k, p in model.named_parameters():
+            check.true(p.grad is not None and p.grad.spec == p.spec, f"{k}: grad placed like its parameter")
+            check.equal(p.grad.to_torch(), want[k], f"{k} grad", exact=False, rtol=0, atol=1e-12)
+        check.true("Shard" in dt.sharding_table(model.a.weight) if hasattr(dt, "sharding_table") else True,
+                   "the layout shows in sharding_table")
+    finally:
+        mesh.free()
+    check.done()

@@ -45,11 +45,40 @@ from ..autograd.graph import current_backward, queue_callback, register_hook, re
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError
 from ..mesh import DeviceMesh
-from ..placement import Replicate, Shard
+from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute import array_namespace
+from ..spec import DTensorSpec
 from .module import Module, Parameter
 
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a parameter computes and where it is stored.
+
+    ``compute``: its mesh and placements before ``fully_shard`` (the gathered parameter's).
+    ``store``: the same ranks with the data-parallel dim last, where the stored placements
+    are the compute ones with that dim ``Shard(0)``: nested sharding splits left to right, so
+    the dp split nests inside every other dim's piece (a tensor-parallel row block is split
+    further over dp, and gathering over dp gives back exactly the tp piece). ``perm``: the
+    compute mesh dims in store order; ``extra``: the placement the store dims have that the
+    compute mesh lacks (a parameter on the tp sub-mesh: its dp dim, whose gradient terms
+    are averaged over dp, as PyTorch's FSDP does)."""
+
+    compute_mesh: DeviceMesh
+    compute_placements: tuple[Placement, ...]
+    store_mesh: DeviceMesh
+    perm: tuple[int, ...]
+    extra: Placement | None = None
+
+    def to_store(self, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """Compute-mesh placements (of a gathered parameter or its gradient) in store order."""
+        moved = tuple(placements[i] for i in self.perm)
+        return moved if self.extra is None else moved + (self.extra,)
+
+    def stored(self) -> tuple[Placement, ...]:
+        return self.to_store(self.compute_placements)[:-1] + (Shard(0),)
 
 
 @dataclass
@@ -59,6 +88,7 @@ class _Slot:
     sharded: Parameter
     gathered: Parameter
     owners: list[tuple[Module, str]]
+    layout: _Layout
     ready: bool = False  # its gathered gradient is complete in this backward
 
 
@@ -153,7 +183,8 @@ class _Unit:
         if self.state != "free":
             return
         with no_grad():
-            self.pending = [s.sharded.redistribute(placements=[Replicate()], async_op=True) for s in self.slots]
+            self.pending = [s.sharded.redistribute(placements=s.sharded.placements[:-1] + (Replicate(),),
+                                                   async_op=True) for s in self.slots]
         self.state = "pending"
 
     def gather(self) -> None:
@@ -242,8 +273,10 @@ class _Unit:
             if g is None or not s.ready:
                 continue
             s.gathered.grad = None
+            lay = s.layout
+            terms = DTensor(g.to_local(), DTensorSpec(lay.store_mesh, lay.to_store(g.placements), g.shape, g.dtype))
             with no_grad():
-                group.reducing.append((s, g.redistribute(placements=[Shard(0)], async_op=True)))
+                group.reducing.append((s, terms.redistribute(placements=s.sharded.placements, async_op=True)))
         self.reduced = True
 
 
@@ -279,25 +312,61 @@ def _claim(module: Module, mesh: DeviceMesh) -> tuple[list[_Slot], list[_Unit]]:
             if id(p) in claimed:
                 continue
             if id(p) not in slots:
-                _check_param(f"{mod_name}.{name}" if mod_name else name, p, mesh)
-                slots[id(p)] = _Slot(p, p, [])
+                slots[id(p)] = _Slot(p, p, [], _layout(f"{mod_name}.{name}" if mod_name else name, p, mesh))
             slots[id(p)].owners.append((m, name))
     return list(slots.values()), inner
 
 
-def _check_param(name: str, p: Parameter, mesh: DeviceMesh) -> None:
-    """Every rank sees the same metadata, so every rank raises the same error here."""
-    if p.device_mesh != mesh:
-        raise MeshMismatchError(
-            f"fully_shard: parameter {name} lives on {p.device_mesh!r}, not on the mesh given "
-            f"({mesh!r}); build the module on that mesh")
+_STORE_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
+"""The store mesh made for each (mesh identity, dim order): made once (it is collective)."""
+
+
+def _store_mesh(mesh: DeviceMesh, perm: tuple[int, ...]) -> DeviceMesh:
+    if perm == tuple(range(mesh.ndim)):
+        return mesh
+    key = (mesh.identity, perm)
+    made = _STORE_MESHES.get(key)
+    if made is None or made.freed:
+        names = None if mesh.mesh_dim_names is None else tuple(mesh.mesh_dim_names[i] for i in perm)
+        made = _STORE_MESHES[key] = DeviceMesh(mesh.device_type, np.transpose(mesh.mesh, perm), mesh_dim_names=names)
+    return made
+
+
+def _layout(name: str, p: Parameter, mesh: DeviceMesh) -> _Layout:
+    """Where ``p`` computes and is stored; every rank sees the same metadata, so every rank
+    raises the same error here."""
+    pm = p.device_mesh
+    parent: DeviceMesh | None = getattr(mesh, "_parent", None)
     if p.ndim == 0:
         raise PlacementError(
             f"fully_shard: parameter {name} is 0-d and cannot be Shard(0); store it with shape (1,)")
-    if p.placements != (Replicate(),):
-        raise PlacementError(
-            f"fully_shard: parameter {name} is placed {list(p.placements)}; fully_shard takes replicated "
-            f"parameters (apply it before any other plan places them; 2-D FSDP x TP is not supported yet)")
+    if any(pl.is_partial() for pl in p.placements):
+        raise PlacementError(f"fully_shard: parameter {name} is placed {list(p.placements)}; a Partial "
+                             f"parameter cannot be sharded: redistribute it to Replicate first")
+    if pm == mesh:  # plain data parallel
+        if p.placements != (Replicate(),):
+            raise PlacementError(
+                f"fully_shard: parameter {name} is placed {list(p.placements)} on the data-parallel mesh; "
+                f"fully_shard takes replicated parameters there (a tensor-parallel plan goes on the other "
+                f"dim of a 2-D mesh: parallelize_module(model, mesh2['tp'], ...), then "
+                f"fully_shard(..., mesh=mesh2['dp']))")
+        return _Layout(pm, p.placements, pm, (0,))
+    if parent is not None and parent.ndim == 2:
+        dp = mesh.identity[-1]
+        if pm is parent or pm == parent:  # on the 2-D mesh itself: its dp dim must be Replicate
+            if p.placements[dp] != Replicate():
+                raise PlacementError(
+                    f"fully_shard: parameter {name} is placed {list(p.placements)}; its data-parallel mesh "
+                    f"dim {dp} must be Replicate before fully_shard shards it")
+            perm = tuple(i for i in range(2) if i != dp) + (dp,)
+            return _Layout(pm, p.placements, _store_mesh(parent, perm), perm)
+        if getattr(pm, "_parent", None) is parent and pm.identity[-1] != dp:  # on the tp sub-mesh
+            tp = pm.identity[-1]
+            assert parent is not None
+            return _Layout(pm, p.placements, _store_mesh(parent, (tp, dp)), (0,), Partial("avg"))
+    raise MeshMismatchError(
+        f"fully_shard: parameter {name} lives on {pm!r}, which is neither the mesh given ({mesh!r}) nor "
+        f"the 2-D mesh it is a dim of (nor that mesh's other dim); build the module on that mesh")
 
 
 def _on_grad_complete(unit: _Unit, slot: _Slot) -> Callable[[DTensor], None]:
@@ -319,13 +388,16 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     slots, inner = _claim(module, mesh)
     xp = array_namespace(mesh.device_type)
     for s in slots:
-        p = s.sharded
+        p, lay = s.sharded, s.layout
+        whole = DTensor(p.to_local(), DTensorSpec(lay.store_mesh, lay.to_store(p.placements)[:-1] + (Replicate(),),
+                                                  p.shape, p.dtype))  # the same piece, in store order
         with no_grad():
-            moved = p.redistribute(placements=[Shard(0)])
+            moved = whole.redistribute(placements=lay.stored())
         p._replace(xp.array(moved.to_local(), copy=True), moved.spec)  # own only its rows
-    buffer = _Buffer([(s.sharded.shape, s.sharded.dtype) for s in slots], mesh.device_type)
-    for s, view in zip(slots, buffer.views):
-        spec = s.sharded.spec.with_placements((Replicate(),))
+    specs = [DTensorSpec(s.layout.compute_mesh, s.layout.compute_placements, s.sharded.shape, s.sharded.dtype)
+             for s in slots]
+    buffer = _Buffer([(spec.local_shape, spec.dtype) for spec in specs], mesh.device_type)
+    for s, view, spec in zip(slots, buffer.views, specs):
         s.gathered = Parameter(DTensor(view, spec), requires_grad=s.sharded.requires_grad)
     buffer.release()
     unit = _Unit(module, mesh, slots, buffer, reshard_after_forward)
