@@ -24,6 +24,12 @@ backward finishes             (queued callback) finish every reduce-scatter into
                               partly complete; free every buffer
 ============================  =============================================================
 
+2-D (FSDP x TP): a parameter on the tensor-parallel sub-mesh (or on the 2-D mesh with its dp
+dim Replicate) is stored on the same ranks with the mesh dims ordered (tp, dp), placed
+``[tp placement, Shard(0)]``: nested sharding splits left to right, so the dp split nests
+inside each tp piece and the dp all-gather gives back exactly the piece the module computes
+on (``_Layout``).
+
 The buffer is an anonymous memory map on CPU: freeing it returns its pages to the system
 (``madvise(MADV_DONTNEED)``) while the arrays that backward kernels saved keep pointing at it,
 so a re-gather restores them in place. Every decision is a function of the program's calls
