@@ -302,3 +302,32 @@ def test_fsdp_over_tensor_parallel_styles(reshard: bool, check: Checker) -> None
     finally:
         mesh.free()
     check.done()
+
+
+class Leaky(nn.Module):
+    """Keeps a result of its parameter on itself and returns its input: the later use of
+    ``leaky.h`` sends a gradient into the unit other than through its outputs."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.w = nn.Parameter(dt.distribute_tensor(np.arange(12.0).reshape(3, 4), mesh, [R]))
+        self.h: Any = None
+
+    def forward(self, x: Any) -> Any:
+        self.h = x @ self.w.T
+        return x
+
+
+def test_backward_on_freed_parameters_raises_on_every_rank(mesh1d: dt.DeviceMesh) -> None:
+    x = dt.distribute_tensor(np.ones((5, 4)), mesh1d, [S0])
+    leaky = dt.fully_shard(Leaky(mesh1d), mesh=mesh1d)
+    leaky(x)
+    with pytest.raises(RuntimeError, match="ran while its parameters were freed"):
+        (leaky.h * leaky.h).sum().backward()
+    kept = dt.fully_shard(Leaky(mesh1d), mesh=mesh1d, reshard_after_forward=False)
+    kept(x)  # with the parameters kept after forward, the same program trains
+    (kept.h * kept.h).sum().backward()
+    w = np.arange(12.0).reshape(3, 4)
+    want = 2 * (np.ones((5, 4)) @ w.T).T @ np.ones((5, 4))
+    np.testing.assert_allclose(kept.w.grad.to_torch(), want, rtol=0, atol=1e-12)
+    assert kept.w.grad.placements == (S0,)

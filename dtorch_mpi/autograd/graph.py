@@ -81,9 +81,10 @@ class Node:
 
     def register_prehook(self, fn: GradHook) -> RemovableHandle:
         """Run ``fn(grad)`` before this node's backward (see ``register_hook``)."""
-        if self.pre_hooks is None:
-            self.pre_hooks = {}
-        return _add_hook(self.pre_hooks, fn)
+        hooks = getattr(self, "pre_hooks", None)
+        if hooks is None:
+            hooks = self.pre_hooks = {}
+        return _add_hook(hooks, fn)
 
     def apply(self, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
         fn = self._backward
@@ -241,8 +242,9 @@ def _run_node(node: Node, pending: dict[int, "DTensor"], consumers: dict[int, in
     g = pending.pop(id(node), None)
     grads: Sequence[DTensor | None] = ()
     if g is not None:  # else reachable only through inputs that got no gradient
-        if node.pre_hooks:
-            for hook in list(node.pre_hooks.values()):
+        pre_hooks = getattr(node, "pre_hooks", None)  # a Node subclass may skip Node.__init__
+        if pre_hooks:
+            for hook in list(pre_hooks.values()):
                 replaced = hook(g)
                 if replaced is not None:
                     g = replaced
