@@ -324,6 +324,7 @@ def test_backward_on_freed_parameters_raises_on_every_rank(mesh1d: dt.DeviceMesh
     leaky(x)
     with pytest.raises(RuntimeError, match="ran while its parameters were freed"):
         (leaky.h * leaky.h).sum().backward()
+    assert leaky.w.grad is None
     kept = dt.fully_shard(Leaky(mesh1d), mesh=mesh1d, reshard_after_forward=False)
     kept(x)  # with the parameters kept after forward, the same program trains
     (kept.h * kept.h).sum().backward()
@@ -331,3 +332,35 @@ def test_backward_on_freed_parameters_raises_on_every_rank(mesh1d: dt.DeviceMesh
     want = 2 * (np.ones((5, 4)) @ w.T).T @ np.ones((5, 4))
     np.testing.assert_allclose(kept.w.grad.to_torch(), want, rtol=0, atol=1e-12)
     assert kept.w.grad.placements == (S0,)
+
+
+def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """A hook raising after some units' reduce-scatters started: the next backward's gradients
+    are its own (the failed one's reductions complete but add to nothing)."""
+    x_full, y_full = train_mlp.dataset("regression")
+    x = dt.distribute_tensor(x_full, mesh1d, [S0])
+    y = dt.distribute_tensor(y_full, mesh1d, [S0])
+    dt.manual_seed(0)
+    clean = train_mlp.MLP(3, mesh1d)
+    train_mlp.apply_plan(clean, "fsdp")
+    F.mse_loss(clean(x), y).backward()
+    want = {k: np.array(p.grad.to_torch()) for k, p in clean.named_parameters()}
+    dt.manual_seed(0)
+    model = train_mlp.MLP(3, mesh1d)
+    train_mlp.apply_plan(model, "fsdp")
+    first = model.fc1._fsdp_unit.slots[0].gathered
+
+    def fail(_leaf: dt.DTensor) -> None:
+        raise ValueError("a hook failed")
+
+    handle = first.register_post_accumulate_grad_hook(fail)
+    with pytest.raises(ValueError, match="a hook failed"):
+        F.mse_loss(model(x), y).backward()
+    handle.remove()
+    for p in model.parameters():
+        p.grad = None
+    F.mse_loss(model(x), y).backward()
+    for k, p in model.named_parameters():
+        check.equal(p.grad.to_torch(), want[k], f"{k} grad after a failed backward", exact=False, rtol=0, atol=1e-14)
+    check.true(all(u.state == "free" for u in model._fsdp_unit.group.units), "every unit freed")
+    check.done()

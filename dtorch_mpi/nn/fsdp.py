@@ -143,8 +143,21 @@ class _Group:
     def join_backward(self) -> None:
         frame = current_backward()
         if frame is not None and self.frame is not frame:
+            if self.frame is not None:  # the previous backward raised before its end callback
+                self.discard_backward()
             self.frame = frame
             queue_callback(self.finish_backward)
+
+    def discard_backward(self) -> None:
+        """Forget a failed backward's state: its reductions complete but add to no .grad."""
+        for _, pending in self.reducing:
+            pending.wait()
+        self.reducing = []
+        for unit in self.units:
+            unit.reduced = False
+            for s in unit.slots:
+                s.ready = False
+                s.gathered.grad = None
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters in flight; add each result to its parameter's .grad."""
