@@ -48,11 +48,13 @@ import numpy as np
 from ..autograd.accumulate import accumulate
 from ..autograd.grad_mode import is_grad_enabled, no_grad
 from ..autograd.graph import current_backward, queue_callback, register_hook, register_post_accumulate_grad_hook
+from ..comm import backend_for
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError
 from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Replicate, Shard
-from ..redistribute import array_namespace
+from ..redistribute import array_namespace, compile_plan
+from ..redistribute.planner import StepKind
 from ..spec import DTensorSpec
 from .module import Module, Parameter
 
@@ -193,32 +195,31 @@ class _Unit:
         self.reshard_after_forward = reshard_after_forward
         self.group = _Group(units=[self])
         self.state = "free"  # free | pending | gathered
-        self.pending: list[DTensor] = []
+        self.pending: list[Callable[[], Any]] = []
         self.reduced = False
 
     # --- gather and free ----------------------------------------------------------------
     def start_gather(self) -> None:
-        """Start every parameter's all-gather (nonblocking); a no-op unless free."""
+        """Start every parameter's all-gather (nonblocking) straight into its place in the
+        buffer; a no-op unless free."""
         if self.state != "free":
             return
-        with no_grad():
-            self.pending = [s.sharded.redistribute(placements=s.sharded.placements[:-1] + (Replicate(),),
-                                                   async_op=True) for s in self.slots]
+        self.pending = [_start_gather(s.sharded, view) for s, view in zip(self.slots, self.buffer.views)]
         self.state = "pending"
 
     def gather(self) -> None:
         """Make the gathered parameters hold the current values (waiting as needed)."""
         self.start_gather()
         if self.state == "pending":
-            for view, full in zip(self.buffer.views, self.pending):
-                view[...] = full.to_local()
+            for finish in self.pending:
+                finish()
             self.pending = []
             self.state = "gathered"
 
     def free(self) -> None:
         if self.state == "pending":
-            for full in self.pending:
-                full.wait()  # a prefetch nobody used: its collective still completes
+            for finish in self.pending:
+                finish()  # a prefetch nobody used: its collective still completes
             self.pending = []
         self.buffer.release()
         self.state = "free"
@@ -297,6 +298,26 @@ class _Unit:
             with no_grad():
                 group.reducing.append((s, terms.redistribute(placements=s.sharded.placements, async_op=True)))
         self.reduced = True
+
+
+def _start_gather(p: Parameter, view: Any) -> Callable[[], Any]:
+    """Start gathering the stored ``p`` over its dp dim (the last) into ``view``; returns what
+    finishes it. The plan is one all-gather (or nothing at one rank): it writes into the
+    buffer itself, with no intermediate copy."""
+    plan = compile_plan(p.spec, p.placements[:-1] + (Replicate(),))
+    steps = plan.steps
+    if not steps:
+        view[...] = p.to_local()
+        return lambda: None
+    step = steps[0] if len(steps) == 1 else None
+    if step is not None and step.kind == StepKind.ALL_GATHER and step.group is not None:
+        axis, sizes = step.args
+        work = backend_for(p.device_mesh.device_type).all_gather(step.group, p.to_local(), view, axis, sizes,
+                                                                 async_op=True)
+        return work.wait
+    with no_grad():  # any other plan: through redistribute, then copied in
+        full = p.redistribute(placements=plan.out_spec.placements, async_op=True)
+    return lambda: view.__setitem__(Ellipsis, full.to_local())
 
 
 def _tensors(out: Any) -> Iterator[DTensor]:
