@@ -176,6 +176,20 @@ class DTensor:
         check_grad_layout("backward", self._spec, gradient)
         run_backward(self, gradient, retain_graph)
 
+    def register_hook(self, hook: Any) -> Any:
+        """``hook(grad)`` each backward once the gradient with respect to this tensor is complete,
+        before it flows on; it may return a replacement. Returns a handle (``.remove()``)."""
+        from .autograd.graph import register_hook
+
+        return register_hook(self, hook)
+
+    def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
+        """``hook(self)`` each backward once this leaf's ``.grad`` holds all of that backward's
+        contributions. Returns a handle (``.remove()``)."""
+        from .autograd.graph import register_post_accumulate_grad_hook
+
+        return register_post_accumulate_grad_hook(self, hook)
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d DTensor")

@@ -11,6 +11,13 @@ Plans (``PLANS``: placements per mesh dim, as data):
               Partial output all-reduced once), head Colwise: class-sharded logits for the
               vocab-parallel cross_entropy (which never gathers them)
   dp_tp       both on a 2-D (dp, tp) mesh, 2 x (ranks / 2)
+  fsdp        fully sharded data parallel (ZeRO-3): the batch is Shard(0); ``fully_shard`` on
+              each layer, then on the model, stores every parameter Shard(0), gathers a layer's
+              just before its forward and frees them after, re-gathers in backward and
+              reduce-scatters the gradients during backward (no ``reduce_gradients``)
+  fsdp_keep   the same with ``reshard_after_forward=False`` (gathered from forward to backward)
+  fsdp_tp     2-D: dp_tp's tensor-parallel placements, then ``fully_shard`` over the dp dim
+              (each tp piece split further over dp; stored on the (tp, dp) order of the mesh)
 The model: ``head(gelu(fc2(gelu(fc1(x)))))``, GELU in its tanh form, float64, initialised from
 the sharding-invariant RNG (the same weights on every plan). Each step: forward, backward,
 ``reduce_gradients``, optimizer step (SGD with momentum, or AdamW).
@@ -43,13 +50,20 @@ PLANS: dict[str, dict[str, Any]] = {
     "dp": {"batch": [S0], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R])},
     "tp": {"batch": [R], "fc1": ([S0], [S0]), "fc2": ([S1], [R]), "head": ([S0], [S0])},
     "dp_tp": {"batch": [S0, R], "fc1": ([R, S0], [R, S0]), "fc2": ([R, S1], [R, R]), "head": ([R, S0], [R, S0])},
+    "fsdp": {"batch": [S0], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R]),
+             "fully_shard": {"reshard_after_forward": True}},
+    "fsdp_keep": {"batch": [S0], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R]),
+                  "fully_shard": {"reshard_after_forward": False}},
+    "fsdp_tp": {"batch": [S0, R], "fc1": ([R, S0], [R, S0]), "fc2": ([R, S1], [R, R]), "head": ([R, S0], [R, S0]),
+                "fully_shard": {"reshard_after_forward": True}},
 }
-"""Per plan: the batch's placements and each layer's (weight, bias) placements."""
+"""Per plan: the batch's placements, each layer's (weight, bias) placements and, for the
+fully sharded plans, the ``fully_shard`` options (applied per layer, then to the model)."""
 
 
 def mesh_shape(plan: str, size: int) -> tuple[int, ...] | None:
     """The plan's mesh at ``size`` ranks (None: the plan needs another rank count)."""
-    if plan != "dp_tp":
+    if plan not in ("dp_tp", "fsdp_tp"):
         return (size,)
     return (2, size // 2) if size % 2 == 0 else None
 
@@ -61,25 +75,41 @@ def replicate_partial(t: dt.DTensor) -> dt.DTensor:
     return t.redistribute(placements=[R if p.is_partial() else p for p in t.placements])
 
 
+class RowLinear(nn.Linear):
+    """``x @ W.T + b`` with the Rowwise boundary explicit: a Partial product is all-reduced
+    before the bias is added (a no-op on the plans that leave it whole)."""
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        return replicate_partial(x @ self.weight.T) + self.bias
+
+
 class MLP(nn.Module):
     def __init__(self, d_out: int, mesh: dt.DeviceMesh) -> None:
         super().__init__()
         self.fc1 = nn.Linear(D_IN, HIDDEN, device_mesh=mesh, dtype=np.float64)
-        self.fc2 = nn.Linear(HIDDEN, D_MID, device_mesh=mesh, dtype=np.float64)
+        self.fc2 = RowLinear(HIDDEN, D_MID, device_mesh=mesh, dtype=np.float64)
         self.head = nn.Linear(D_MID, d_out, device_mesh=mesh, dtype=np.float64)
 
     def forward(self, x: dt.DTensor) -> dt.DTensor:
-        h = F.gelu(F.linear(x, self.fc1.weight, self.fc1.bias), "tanh")
-        h = F.gelu(replicate_partial(h @ self.fc2.weight.T) + self.fc2.bias, "tanh")
-        return F.linear(h, self.head.weight, self.head.bias)
+        h = F.gelu(self.fc1(x), "tanh")  # each layer through its module: a fully_shard unit's forward
+        h = F.gelu(self.fc2(h), "tanh")
+        return self.head(h)
 
 
 def apply_plan(model: MLP, plan: str) -> None:
-    """Place every parameter as the plan says (a local slice of the replicated initial value)."""
+    """Place every parameter as the plan says (a local slice of the replicated initial value);
+    the fully sharded plans then apply ``fully_shard`` bottom-up: each layer, then the model."""
     for layer in ("fc1", "fc2", "head"):
         module = getattr(model, layer)
         for name, placements in zip(("weight", "bias"), PLANS[plan][layer]):
             setattr(module, name, nn.Parameter(getattr(module, name).redistribute(placements=placements)))
+    options = PLANS[plan].get("fully_shard")
+    if options is not None:
+        mesh = model.fc1.weight.device_mesh
+        mesh = mesh["dp"] if mesh.ndim == 2 else mesh  # 2-D: shard over dp, inside the tp pieces
+        for layer in ("fc1", "fc2", "head"):
+            dt.fully_shard(getattr(model, layer), mesh=mesh, **options)
+        dt.fully_shard(model, mesh=mesh, **options)
 
 
 def dataset(task: str) -> tuple[np.ndarray, np.ndarray]:
@@ -117,7 +147,8 @@ def train(plan: str, optimizer: str = "sgd", task: str = "regression", steps: in
             else:
                 loss = F.cross_entropy(out, y_full)
             loss.backward()
-            nn.utils.reduce_gradients([p for _, p in params])
+            if "fully_shard" not in PLANS[plan]:  # fully_shard reduced them during backward
+                nn.utils.reduce_gradients([p for _, p in params])
             opt.step()
             losses.append(float(loss.to_torch()))
         return losses, initial, {k: np.array(p.to_torch()) for k, p in params}

@@ -1,5 +1,7 @@
 """Sharding-invariant training: examples/train_mlp.py's loop under every plan valid at this
-world size (replicated, data parallel, tensor parallel, both on a 2-D mesh), with SGD +
+world size (replicated, data parallel, tensor parallel, both on a 2-D mesh, fully sharded
+data parallel with and without resharding after forward, and over the dp dim of the 2-D
+tensor-parallel plan), with SGD +
 momentum and AdamW, on a regression (mse_loss) and a classification (vocab-parallel
 cross_entropy) task, equals a single-process NumPy reference of the same math (forward and
 backward by hand, the optimizers' formulas) step by step, in float64, to 1e-9. Training state
@@ -70,7 +72,8 @@ def test_plans_place_parameters_and_reduce_gradients_packed() -> None:
 
 # ---- training state in checkpoints: save under one plan, resume under another ----
 
-RESUMES = [(a, b) for a, b in (("tp", "dp"), ("dp", "tp"), ("replicated", "dp_tp"), ("dp_tp", "replicated"))
+RESUMES = [(a, b) for a, b in (("tp", "dp"), ("dp", "tp"), ("replicated", "dp_tp"), ("dp_tp", "replicated"),
+                               ("fsdp", "tp"), ("replicated", "fsdp_keep"), ("fsdp_tp", "fsdp"))
            if a in PLANS and b in PLANS]
 
 

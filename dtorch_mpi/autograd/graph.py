@@ -5,12 +5,27 @@ A ``Node`` is one recorded operation: ``backward(grad_out)`` maps the gradient o
 nodes, or at an ``AccumulateGrad`` for a leaf, never at the input tensors themselves, so an
 intermediate result's piece is kept alive only when a backward kernel saved it.
 
-Every rank records the same graph (SPMD), and the engine visits nodes in reverse creation
-order, so every rank runs the same backward collectives in the same order.
+Every rank records the same graph (SPMD), and the engine runs nodes in reverse creation
+order, so every rank runs the same backward collectives in the same order. A leaf's
+accumulator runs as soon as its last contribution arrived (its gradient is complete then),
+not at its place in that order: accumulators of leaves made long ago would otherwise all wait
+for the end of backward.
+
+Hooks (docs/autograd.md "Hooks"), the points that sharded data parallel (``fully_shard``) and
+bucketed gradient reduction build on; each is called at the same point on every rank:
+
+- ``register_hook(t, fn)``: ``fn(grad)`` when the gradient with respect to ``t`` is complete,
+  before it flows into the operation that produced ``t`` (a *pre-backward* point: a hook on a
+  module's outputs runs before any of the module's backward);
+- ``register_post_accumulate_grad_hook(leaf, fn)``: ``fn(leaf)`` once ``leaf.grad`` holds this
+  backward's whole contribution (a *gradient complete* point);
+- ``queue_callback(fn)``: ``fn()`` when the running backward has visited every node (a
+  *backward finished* point).
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,18 +39,52 @@ if TYPE_CHECKING:
 _sequence = itertools.count()
 
 BackwardFn = Callable[["DTensor"], Sequence["DTensor | None"]]
+GradHook = Callable[["DTensor"], "DTensor | None"]
+LeafHook = Callable[["DTensor"], None]
+_hook_ids = itertools.count()
+
+
+class RemovableHandle:
+    """What a ``register_*`` call returns: ``remove()`` unregisters the hook (idempotent)."""
+
+    __slots__ = ("_hooks", "_key")
+
+    def __init__(self, hooks: dict[int, Any], key: int) -> None:
+        self._hooks, self._key = hooks, key
+
+    def remove(self) -> None:
+        self._hooks.pop(self._key, None)
+
+
+def _add_hook(hooks: dict[int, Any], fn: Any) -> RemovableHandle:
+    if not callable(fn):
+        raise TypeError(f"a hook must be callable, got {type(fn).__name__}")
+    key = next(_hook_ids)
+    hooks[key] = fn
+    return RemovableHandle(hooks, key)
 
 
 class Node:
-    """One recorded operation: its name, backward function and input edges."""
+    """One recorded operation: its name, backward function and input edges.
 
-    __slots__ = ("name", "next", "_backward", "seq")
+    ``pre_hooks`` (None until one is registered): called in registration order with the
+    node's complete output gradient before ``apply``; a hook may return a replacement."""
+
+    __slots__ = ("name", "next", "_backward", "seq", "pre_hooks")
 
     def __init__(self, name: str, next_nodes: tuple[Node | None, ...], backward: BackwardFn) -> None:
         self.name = name
         self.next = next_nodes
         self._backward: BackwardFn | None = backward
         self.seq = next(_sequence)
+        self.pre_hooks: dict[int, GradHook] | None = None
+
+    def register_prehook(self, fn: GradHook) -> RemovableHandle:
+        """Run ``fn(grad)`` before this node's backward (see ``register_hook``)."""
+        hooks = getattr(self, "pre_hooks", None)
+        if hooks is None:
+            hooks = self.pre_hooks = {}
+        return _add_hook(hooks, fn)
 
     def apply(self, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
         fn = self._backward
@@ -53,13 +102,15 @@ class Node:
 
 
 class AccumulateGrad(Node):
-    """The edge into a leaf: adds incoming gradients to ``leaf.grad``."""
+    """The edge into a leaf: adds incoming gradients to ``leaf.grad``; then runs its
+    ``post_hooks`` (the leaf's gradient is complete for this backward)."""
 
-    __slots__ = ("leaf",)
+    __slots__ = ("leaf", "post_hooks")
 
     def __init__(self, leaf: "DTensor") -> None:
         super().__init__("AccumulateGrad", (), lambda g: ())
         self.leaf = leaf
+        self.post_hooks: dict[int, LeafHook] = {}
 
     def apply(self, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
         leaf = self.leaf
@@ -94,11 +145,64 @@ def attach(out: "DTensor", name: str, inputs: Sequence[Any], backward: BackwardF
     return out
 
 
+def register_hook(t: "DTensor", fn: GradHook) -> RemovableHandle:
+    """Call ``fn(grad)`` each backward when the gradient with respect to ``t`` is complete and
+    before it flows on (into ``t``'s producer; for a leaf, into ``t.grad``). ``fn`` may
+    return a replacement gradient (same shape, legal placements) or None to keep it. On a
+    module's outputs this is the point before any of the module's backward runs."""
+    if not getattr(t, "_requires_grad", False):
+        raise RuntimeError("register_hook: the tensor does not require grad, so no gradient will reach it")
+    node = edge(t)
+    assert node is not None
+    return node.register_prehook(fn)
+
+
+def register_post_accumulate_grad_hook(leaf: "DTensor", fn: LeafHook) -> RemovableHandle:
+    """Call ``fn(leaf)`` each backward once ``leaf.grad`` holds all of this backward's
+    contributions (the leaf's accumulator ran; a backward that reaches no use of the leaf
+    does not call it)."""
+    if not getattr(leaf, "_requires_grad", False) or getattr(leaf, "_grad_fn", None) is not None:
+        raise RuntimeError(
+            "register_post_accumulate_grad_hook needs a leaf that requires grad (a Parameter or a "
+            "tensor made with requires_grad=True); this tensor is computed by an operation or needs no grad")
+    acc = edge(leaf)
+    assert isinstance(acc, AccumulateGrad)
+    return _add_hook(acc.post_hooks, fn)
+
+
+class _Frame:
+    """One running backward: the callbacks queued for its end."""
+
+    __slots__ = ("callbacks",)
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[], None]] = []
+
+
+_frames: list[_Frame] = []
+
+
+def current_backward() -> _Frame | None:
+    """The running backward (an opaque token, the same object for its whole run), or None."""
+    return _frames[-1] if _frames else None
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` when the running backward has run every node (callbacks run in the order
+    queued; one may queue another). Only during a backward, e.g. from a hook."""
+    if not _frames:
+        raise RuntimeError("queue_callback: no backward is running; call it from a hook during backward()")
+    if not callable(fn):
+        raise TypeError(f"queue_callback needs a callable, got {type(fn).__name__}")
+    _frames[-1].callbacks.append(fn)
+
+
 def run_backward(root: "DTensor", grad: "DTensor", retain_graph: bool = False) -> None:
     """Propagate ``grad`` (d loss / d root) to every leaf that requires grad.
 
-    Nodes run in reverse creation order (a topological order that is the same on every rank);
-    a node runs once all its consumers have contributed to its gradient.
+    A node runs once all its consumers have contributed to its gradient; among the nodes
+    that may run, the latest created runs first (a topological order that is the same on
+    every rank), and a leaf's accumulator runs as soon as it may (its gradient is complete).
     """
     start = edge(root)
     if start is None:
@@ -106,23 +210,58 @@ def run_backward(root: "DTensor", grad: "DTensor", retain_graph: bool = False) -
             "backward(): the tensor does not require grad and has no grad_fn; mark a leaf with "
             "requires_grad=True (or requires_grad_()) before computing it"
         )
-    reachable: dict[int, Node] = {}
+    consumers: dict[int, int] = {}  # per node: edges into it from reachable nodes not yet run
+    seen = {id(start)}
     stack = [start]
     while stack:
         node = stack.pop()
-        if id(node) in reachable:
-            continue
-        reachable[id(node)] = node
-        stack.extend(n for n in node.next if n is not None)
+        for nxt in node.next:
+            if nxt is None:
+                continue
+            consumers[id(nxt)] = consumers.get(id(nxt), 0) + 1
+            if id(nxt) not in seen:
+                seen.add(id(nxt))
+                stack.append(nxt)
     pending: dict[int, DTensor] = {id(start): grad}
-    with no_grad():
-        for node in sorted(reachable.values(), key=lambda n: n.seq, reverse=True):
-            g = pending.pop(id(node), None)
-            if g is None:
-                continue  # reachable only through inputs that got no gradient
-            grads = node.apply(g, retain_graph)
-            for nxt, gi in zip(node.next, grads):
-                if nxt is None or gi is None:
-                    continue
-                prev = pending.get(id(nxt))
-                pending[id(nxt)] = gi if prev is None else accumulate(prev, gi)
+    ready: list[tuple[int, Node]] = [(-start.seq, start)]
+    frame = _Frame()
+    _frames.append(frame)
+    try:
+        with no_grad():
+            while ready:
+                _, node = heapq.heappop(ready)
+                _run_node(node, pending, consumers, ready, retain_graph)
+            for fn in frame.callbacks:  # a callback may queue more: the list grows as it runs
+                fn()
+    finally:
+        _frames.remove(frame)
+
+
+def _run_node(node: Node, pending: dict[int, "DTensor"], consumers: dict[int, int],
+              ready: list[tuple[int, Node]], retain_graph: bool) -> None:
+    g = pending.pop(id(node), None)
+    grads: Sequence[DTensor | None] = ()
+    if g is not None:  # else reachable only through inputs that got no gradient
+        pre_hooks = getattr(node, "pre_hooks", None)  # a Node subclass may skip Node.__init__
+        if pre_hooks:
+            for hook in list(pre_hooks.values()):
+                replaced = hook(g)
+                if replaced is not None:
+                    g = replaced
+        grads = node.apply(g, retain_graph)
+        if isinstance(node, AccumulateGrad):
+            for leaf_hook in list(node.post_hooks.values()):
+                leaf_hook(node.leaf)
+    for i, nxt in enumerate(node.next):
+        if nxt is None:
+            continue
+        gi = grads[i] if i < len(grads) else None
+        if gi is not None:
+            prev = pending.get(id(nxt))
+            pending[id(nxt)] = gi if prev is None else accumulate(prev, gi)
+        consumers[id(nxt)] -= 1
+        if consumers[id(nxt)] == 0:
+            if isinstance(nxt, AccumulateGrad):
+                _run_node(nxt, pending, consumers, ready, retain_graph)  # a leaf: its gradient is complete
+            else:
+                heapq.heappush(ready, (-nxt.seq, nxt))

@@ -2,6 +2,7 @@
 functions (``functional``) and gradient utilities (``utils``)."""
 
 from . import functional, utils
+from .fsdp import fully_shard
 from .layers import GELU, Dropout, Embedding, LayerNorm, Linear, ReLU, RMSNorm, Sequential, SiLU, default_mesh, linear
 from .module import Module, Parameter
 from .parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
@@ -9,4 +10,4 @@ from .state import load_into
 
 __all__ = ["GELU", "ColwiseParallel", "Dropout", "Embedding", "LayerNorm", "Linear", "Module", "ParallelStyle",
            "Parameter", "RMSNorm", "ReLU", "RowwiseParallel", "Sequential", "SiLU", "default_mesh", "functional",
-           "linear", "load_into", "parallelize_module", "utils"]
+           "fully_shard", "linear", "load_into", "parallelize_module", "utils"]

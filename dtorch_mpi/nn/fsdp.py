@@ -1,0 +1,459 @@
+"""``fully_shard``: sharded data parallel (ZeRO-3 / PyTorch FSDP2) on the autograd hooks.
+
+A *unit* is one ``fully_shard(module)`` call: the parameters of ``module``'s subtree that no
+inner call claimed (apply it bottom-up: blocks first, the root last). Between uses every
+parameter is stored ``Shard(0)`` over the mesh (the registered ``Parameter``, which the
+optimizer, ``state_dict`` and checkpoints see); a unit gathers its parameters into one buffer
+of *gathered* parameters (``Replicate``, leaves of their own) that its module computes on:
+
+============================  =============================================================
+point                         what the unit does
+============================  =============================================================
+its forward starts            finish its all-gather (prefetched or now), start the next
+                              unit's (forward order of the previous pass), swap the gathered
+                              parameters into the module's attributes
+its forward returns           swap the sharded ones back; free the buffer
+                              (``reshard_after_forward``); a pre-backward hook on each output
+a hook on its outputs fires   (pre-backward) finish its all-gather, start the all-gather of
+                              the unit that runs backward next (reverse forward order)
+a gathered grad is complete   (post-accumulate-grad hook) once all of the unit's are: start
+                              their reduce-scatters to ``Shard(0)`` (nonblocking, the
+                              previous unit's finished first), free the buffer
+backward finishes             (queued callback) finish every reduce-scatter into the sharded
+                              parameters' ``.grad``; reduce units whose gradients were only
+                              partly complete; free every buffer
+============================  =============================================================
+
+2-D (FSDP x TP): a parameter on the tensor-parallel sub-mesh (or on the 2-D mesh with its dp
+dim Replicate) is stored on the same ranks with the mesh dims ordered (tp, dp), placed
+``[tp placement, Shard(0)]``: nested sharding splits left to right, so the dp split nests
+inside each tp piece and the dp all-gather gives back exactly the piece the module computes
+on (``_Layout``).
+
+The buffer is an anonymous memory map on CPU: freeing it returns its pages to the system
+(``madvise(MADV_DONTNEED)``) while the arrays that backward kernels saved keep pointing at it,
+so a re-gather restores them in place. Every decision is a function of the program's calls
+and metadata, so every rank starts the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..autograd.accumulate import accumulate
+from ..autograd.grad_mode import is_grad_enabled, no_grad
+from ..autograd.graph import current_backward, queue_callback, register_hook, register_post_accumulate_grad_hook
+from ..comm import backend_for
+from ..dtensor import DTensor
+from ..errors import MeshMismatchError, PlacementError
+from ..mesh import DeviceMesh
+from ..placement import Partial, Placement, Replicate, Shard
+from ..redistribute import array_namespace, compile_plan
+from ..redistribute.planner import StepKind
+from ..spec import DTensorSpec
+from .module import Module, Parameter
+
+_ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where a parameter computes and where it is stored.
+
+    ``compute``: its mesh and placements before ``fully_shard`` (the gathered parameter's).
+    ``store``: the same ranks with the data-parallel dim last, where the stored placements
+    are the compute ones with that dim ``Shard(0)``: nested sharding splits left to right, so
+    the dp split nests inside every other dim's piece (a tensor-parallel row block is split
+    further over dp, and gathering over dp gives back exactly the tp piece). ``perm``: the
+    compute mesh dims in store order; ``extra``: the placement the store dims have that the
+    compute mesh lacks (a parameter on the tp sub-mesh: its dp dim, whose gradient terms
+    are averaged over dp, as PyTorch's FSDP does)."""
+
+    compute_mesh: DeviceMesh
+    compute_placements: tuple[Placement, ...]
+    store_mesh: DeviceMesh
+    perm: tuple[int, ...]
+    extra: Placement | None = None
+
+    def to_store(self, placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
+        """Compute-mesh placements (of a gathered parameter or its gradient) in store order."""
+        moved = tuple(placements[i] for i in self.perm)
+        return moved if self.extra is None else moved + (self.extra,)
+
+    def stored(self) -> tuple[Placement, ...]:
+        return self.to_store(self.compute_placements)[:-1] + (Shard(0),)
+
+
+@dataclass
+class _Slot:
+    """One parameter of a unit: the sharded leaf, its gathered twin and where it is used."""
+
+    sharded: Parameter
+    gathered: Parameter
+    owners: list[tuple[Module, str]]
+    layout: _Layout
+    ready: bool = False  # its gathered gradient is complete in this backward
+
+
+class _Buffer:
+    """One unit's gathered parameters, in one allocation that can give its memory back."""
+
+    def __init__(self, specs: list[tuple[tuple[int, ...], np.dtype]], device_type: str) -> None:
+        offsets, at = [], 0
+        for shape, dtype in specs:
+            offsets.append(at)
+            at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
+        self._map: mmap.mmap | None = None
+        if device_type == "cpu":
+            self._map = mmap.mmap(-1, max(at, 1), flags=mmap.MAP_PRIVATE)  # private: DONTNEED frees the pages
+            raw: Any = np.frombuffer(self._map, dtype=np.uint8)
+        else:  # device memory cannot be given back in place: the buffer stays allocated
+            raw = array_namespace(device_type).empty(max(at, 1), dtype=np.uint8)
+        self.views = [raw[o:o + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+                      for (shape, dtype), o in zip(specs, offsets)]
+        self.nbytes = at
+
+    def release(self) -> None:
+        """Give the pages back (their contents read as zeros until written again)."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_DONTNEED)
+
+
+@dataclass
+class _Group:
+    """The units of one root (merged bottom-up): the forward order and the backward state."""
+
+    units: list["_Unit"] = field(default_factory=list)
+    order: list["_Unit"] = field(default_factory=list)  # the last complete forward pass
+    current: list["_Unit"] = field(default_factory=list)
+    active: int = 0  # units of the group inside their forward now
+    frame: Any = None  # the backward this group queued its end callback in
+    reducing: list[tuple[_Slot, DTensor]] = field(default_factory=list)
+
+    def neighbour(self, unit: "_Unit", step: int) -> "_Unit | None":
+        """The unit after (``step=1``) or before (``-1``) ``unit`` in the last forward order."""
+        if unit not in self.order:
+            return None
+        i = self.order.index(unit) + step
+        return self.order[i] if 0 <= i < len(self.order) else None
+
+    def join_backward(self) -> None:
+        frame = current_backward()
+        if frame is not None and self.frame is not frame:
+            if self.frame is not None:  # the previous backward raised before its end callback
+                self.discard_backward()
+            self.frame = frame
+            queue_callback(self.finish_backward)
+
+    def discard_backward(self) -> None:
+        """Forget a failed backward's state: its reductions complete but add to no .grad."""
+        for _, pending in self.reducing:
+            pending.wait()
+        self.reducing = []
+        for unit in self.units:
+            unit.reduced = False
+            for s in unit.slots:
+                s.ready = False
+                s.gathered.grad = None
+
+    def finish_reductions(self) -> None:
+        """Wait for the reduce-scatters in flight; add each result to its parameter's .grad."""
+        reducing, self.reducing = self.reducing, []
+        for slot, pending in reducing:
+            local = pending.to_local()
+            base = getattr(local, "base", None)
+            if base is not None and base.nbytes > local.nbytes:
+                local = local.copy()  # a slice of a replicated gradient: own only its bytes
+            shard = DTensor(local, pending.spec)
+            old = slot.sharded.grad
+            slot.sharded.grad = shard if old is None else accumulate(old, shard)
+
+    def finish_backward(self) -> None:
+        for unit in self.units:
+            if any(s.ready for s in unit.slots) and not unit.reduced:
+                unit.reduce()  # some gradients never came: reduce the ones that did
+        self.finish_reductions()
+        for unit in self.units:
+            unit.free()
+            unit.reduced = False
+            for s in unit.slots:
+                s.ready = False
+        self.frame = None
+
+
+class _Unit:
+    """One ``fully_shard`` call's parameters and their gather / free / reduce state."""
+
+    def __init__(self, module: Module, mesh: DeviceMesh, slots: list[_Slot], buffer: _Buffer,
+                 reshard_after_forward: bool) -> None:
+        self.module, self.mesh, self.slots, self.buffer = module, mesh, slots, buffer
+        self.reshard_after_forward = reshard_after_forward
+        self.group = _Group(units=[self])
+        self.state = "free"  # free | pending | gathered
+        self.pending: list[Callable[[], Any]] = []
+        self.reduced = False
+
+    # --- gather and free ----------------------------------------------------------------
+    def start_gather(self) -> None:
+        """Start every parameter's all-gather (nonblocking) straight into its place in the
+        buffer; a no-op unless free."""
+        if self.state != "free":
+            return
+        self.pending = [_start_gather(s.sharded, view) for s, view in zip(self.slots, self.buffer.views)]
+        self.state = "pending"
+
+    def gather(self) -> None:
+        """Make the gathered parameters hold the current values (waiting as needed)."""
+        self.start_gather()
+        if self.state == "pending":
+            for finish in self.pending:
+                finish()
+            self.pending = []
+            self.state = "gathered"
+
+    def free(self) -> None:
+        if self.state == "pending":
+            for finish in self.pending:
+                finish()  # a prefetch nobody used: its collective still completes
+            self.pending = []
+        self.buffer.release()
+        self.state = "free"
+
+    def expose(self, gathered: bool) -> None:
+        """Point every owner's attribute at the gathered (or back at the sharded) parameter."""
+        for s in self.slots:
+            for owner, name in s.owners:
+                object.__setattr__(owner, name, s.gathered if gathered else s.sharded)
+
+    # --- forward ------------------------------------------------------------------------
+    def forward(self, inner: Any, *args: Any, **kwargs: Any) -> Any:
+        group = self.group
+        if group.active == 0:
+            group.current = []
+        group.active += 1
+        if self not in group.current:
+            group.current.append(self)
+        try:
+            self.gather()
+            after = group.neighbour(self, 1)
+            if after is not None:
+                after.start_gather()  # forward prefetch
+            self.expose(True)
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                self.expose(False)
+        finally:
+            group.active -= 1
+            if group.active == 0:
+                group.order = group.current
+        training = is_grad_enabled() and any(s.gathered.requires_grad for s in self.slots)
+        if training:
+            for t in _tensors(out):
+                if t.requires_grad:
+                    register_hook(t, self._pre_backward)
+        if self.reshard_after_forward or not training:
+            self.free()
+        return out
+
+    # --- backward -----------------------------------------------------------------------
+    def _pre_backward(self, grad: DTensor) -> None:
+        self.group.join_backward()
+        self.gather()
+        before = self.group.neighbour(self, -1)
+        if before is not None:
+            before.start_gather()  # backward prefetch: the unit whose backward runs next
+        return None
+
+    def grad_complete(self, slot: _Slot) -> None:
+        """A gathered parameter's gradient is complete; reduce the unit once all are."""
+        self.group.join_backward()
+        if self.state != "gathered":
+            raise RuntimeError(
+                f"fully_shard: the backward of {type(self.module).__name__} ran while its parameters were "
+                f"freed (its gradient reached the module other than through the tensors its forward "
+                f"returned); return every tensor that later computation uses, or pass "
+                f"reshard_after_forward=False")
+        slot.ready = True
+        if all(s.ready or not s.gathered.requires_grad for s in self.slots):
+            self.reduce()
+            self.free()
+
+    def reduce(self) -> None:
+        """Start the reduce-scatter of every complete gathered gradient to ``Shard(0)``."""
+        group = self.group
+        group.finish_reductions()  # at most one unit's gradients in flight
+        for s in self.slots:
+            g = s.gathered.grad
+            if g is None or not s.ready:
+                continue
+            s.gathered.grad = None
+            lay = s.layout
+            terms = DTensor(g.to_local(), DTensorSpec(lay.store_mesh, lay.to_store(g.placements), g.shape, g.dtype))
+            with no_grad():
+                group.reducing.append((s, terms.redistribute(placements=s.sharded.placements, async_op=True)))
+        self.reduced = True
+
+
+def _start_gather(p: Parameter, view: Any) -> Callable[[], Any]:
+    """Start gathering the stored ``p`` over its dp dim (the last) into ``view``; returns what
+    finishes it. The plan is one all-gather (or nothing at one rank): it writes into the
+    buffer itself, with no intermediate copy."""
+    plan = compile_plan(p.spec, p.placements[:-1] + (Replicate(),))
+    steps = plan.steps
+    if not steps:
+        view[...] = p.to_local()
+        return lambda: None
+    step = steps[0] if len(steps) == 1 else None
+    if step is not None and step.kind == StepKind.ALL_GATHER and step.group is not None:
+        axis, sizes = step.args
+        work = backend_for(p.device_mesh.device_type).all_gather(step.group, p.to_local(), view, axis, sizes,
+                                                                 async_op=True)
+        return work.wait
+    with no_grad():  # any other plan: through redistribute, then copied in
+        full = p.redistribute(placements=plan.out_spec.placements, async_op=True)
+    return lambda: view.__setitem__(Ellipsis, full.to_local())
+
+
+def _tensors(out: Any) -> Iterator[DTensor]:
+    """The DTensors in a forward's output (nested tuples, lists and dicts)."""
+    if isinstance(out, DTensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for x in out:
+            yield from _tensors(x)
+    elif isinstance(out, dict):
+        for x in out.values():
+            yield from _tensors(x)
+
+
+def _unit_of(module: Module) -> _Unit | None:
+    return module.__dict__.get("_fsdp_unit")
+
+
+def _claim(module: Module, mesh: DeviceMesh) -> tuple[list[_Slot], list[_Unit]]:
+    """The parameters of ``module``'s subtree that no inner unit holds, with every attribute
+    that refers to each, and the inner units found."""
+    inner: list[_Unit] = []
+    claimed: set[int] = set()
+    for m in module.modules():
+        unit = _unit_of(m)
+        if unit is not None and m is not module:
+            inner.append(unit)
+            claimed.update(id(s.sharded) for s in unit.slots)
+    slots: dict[int, _Slot] = {}
+    for mod_name, m in module.named_modules():
+        for name, p in m._parameters.items():
+            if id(p) in claimed:
+                continue
+            if id(p) not in slots:
+                slots[id(p)] = _Slot(p, p, [], _layout(f"{mod_name}.{name}" if mod_name else name, p, mesh))
+            slots[id(p)].owners.append((m, name))
+    return list(slots.values()), inner
+
+
+_STORE_MESHES: dict[tuple[Any, ...], DeviceMesh] = {}
+"""The store mesh made for each (mesh identity, dim order): made once (it is collective)."""
+
+
+def _store_mesh(mesh: DeviceMesh, perm: tuple[int, ...]) -> DeviceMesh:
+    if perm == tuple(range(mesh.ndim)):
+        return mesh
+    key = (mesh.identity, perm)
+    made = _STORE_MESHES.get(key)
+    if made is None or made.freed:
+        names = None if mesh.mesh_dim_names is None else tuple(mesh.mesh_dim_names[i] for i in perm)
+        made = _STORE_MESHES[key] = DeviceMesh(mesh.device_type, np.transpose(mesh.mesh, perm), mesh_dim_names=names)
+    return made
+
+
+def _layout(name: str, p: Parameter, mesh: DeviceMesh) -> _Layout:
+    """Where ``p`` computes and is stored; every rank sees the same metadata, so every rank
+    raises the same error here."""
+    pm = p.device_mesh
+    parent: DeviceMesh | None = getattr(mesh, "_parent", None)
+    if p.ndim == 0:
+        raise PlacementError(
+            f"fully_shard: parameter {name} is 0-d and cannot be Shard(0); store it with shape (1,)")
+    if any(pl.is_partial() for pl in p.placements):
+        raise PlacementError(f"fully_shard: parameter {name} is placed {list(p.placements)}; a Partial "
+                             f"parameter cannot be sharded: redistribute it to Replicate first")
+    if pm == mesh:  # plain data parallel
+        if p.placements != (Replicate(),):
+            raise PlacementError(
+                f"fully_shard: parameter {name} is placed {list(p.placements)} on the data-parallel mesh; "
+                f"fully_shard takes replicated parameters there (a tensor-parallel plan goes on the other "
+                f"dim of a 2-D mesh: parallelize_module(model, mesh2['tp'], ...), then "
+                f"fully_shard(..., mesh=mesh2['dp']))")
+        return _Layout(pm, p.placements, pm, (0,))
+    if parent is not None and parent.ndim == 2:
+        dp = mesh.identity[-1]
+        if pm is parent or pm == parent:  # on the 2-D mesh itself: its dp dim must be Replicate
+            if p.placements[dp] != Replicate():
+                raise PlacementError(
+                    f"fully_shard: parameter {name} is placed {list(p.placements)}; its data-parallel mesh "
+                    f"dim {dp} must be Replicate before fully_shard shards it")
+            perm = tuple(i for i in range(2) if i != dp) + (dp,)
+            return _Layout(pm, p.placements, _store_mesh(parent, perm), perm)
+        if getattr(pm, "_parent", None) is parent and pm.identity[-1] != dp:  # on the tp sub-mesh
+            tp = pm.identity[-1]
+            assert parent is not None
+            return _Layout(pm, p.placements, _store_mesh(parent, (tp, dp)), (0,), Partial("avg"))
+    raise MeshMismatchError(
+        f"fully_shard: parameter {name} lives on {pm!r}, which is neither the mesh given ({mesh!r}) nor "
+        f"the 2-D mesh it is a dim of (nor that mesh's other dim); build the module on that mesh")
+
+
+def _on_grad_complete(unit: _Unit, slot: _Slot) -> Callable[[DTensor], None]:
+    return lambda _leaf: unit.grad_complete(slot)
+
+
+def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> Module:
+    """Shard ``module``'s unclaimed (replicated) parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
+    returns the module. Apply bottom-up (blocks, then the root); see docs/training.md."""
+    if not isinstance(module, Module):
+        raise TypeError(f"fully_shard takes a dtorch_mpi.nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard(module, *, mesh=...): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"fully_shard needs a 1-D mesh (the data-parallel dim), got a {mesh.ndim}-D mesh; "
+                         f"pass a sub-mesh such as mesh['dp']")
+    if _unit_of(module) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    slots, inner = _claim(module, mesh)
+    xp = array_namespace(mesh.device_type)
+    for s in slots:
+        p, lay = s.sharded, s.layout
+        whole = DTensor(p.to_local(), DTensorSpec(lay.store_mesh, lay.to_store(p.placements)[:-1] + (Replicate(),),
+                                                  p.shape, p.dtype))  # the same piece, in store order
+        with no_grad():
+            moved = whole.redistribute(placements=lay.stored())
+        p._replace(xp.array(moved.to_local(), copy=True), moved.spec)  # own only its rows
+    specs = [DTensorSpec(s.layout.compute_mesh, s.layout.compute_placements, s.sharded.shape, s.sharded.dtype)
+             for s in slots]
+    buffer = _Buffer([(spec.local_shape, spec.dtype) for spec in specs], mesh.device_type)
+    for s, view, spec in zip(slots, buffer.views, specs):
+        s.gathered = Parameter(DTensor(view, spec), requires_grad=s.sharded.requires_grad)
+    buffer.release()
+    unit = _Unit(module, mesh, slots, buffer, reshard_after_forward)
+    for s in slots:
+        if s.gathered.requires_grad:
+            register_post_accumulate_grad_hook(s.gathered, _on_grad_complete(unit, s))
+    group = unit.group
+    for child in inner:  # the new unit becomes the root of every inner unit's group
+        group.units.extend(u for u in child.group.units if u not in group.units)
+    for u in group.units:
+        u.group = group
+    object.__setattr__(module, "_fsdp_unit", unit)
+    inner_forward = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return unit.forward(inner_forward, *args, **kwargs)
+
+    object.__setattr__(module, "forward", forward)
+    return module

@@ -1,0 +1,366 @@
+"""fully_shard (ZeRO-3): parameters stored Shard(0) owning their bytes, gradients equal to the
+replicated model's (uneven and empty pieces, reshard_after_forward on and off), the
+communication ZeRO-3 prescribes exactly (CommCounter, one step, per rank), prefetch in
+forward and backward, state_dict / save / load across plans, and the refusals.
+The training curves against the NumPy reference are in test_training.py (plans fsdp and
+fsdp_keep)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import SIZE, Checker, lengths_for
+
+import dtorch_mpi as dt
+from dtorch_mpi import nn
+from dtorch_mpi.nn import functional as F
+from dtorch_mpi.nn.fsdp import _Unit
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import train_mlp
+
+R, S0 = dt.Replicate(), dt.Shard(0)
+RESHARD = [True, False]
+
+
+class Tower(nn.Module):
+    """Two layers around a hidden width ``width`` (0, below, equal to, above the rank count)."""
+
+    def __init__(self, width: int, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, width, device_mesh=mesh, dtype=np.float64)
+        self.b = nn.Linear(width, 3, device_mesh=mesh, dtype=np.float64)
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        return self.b(F.gelu(self.a(x), "tanh"))
+
+
+def _shard_all(model: nn.Module, mesh: dt.DeviceMesh, reshard: bool, layers: tuple[str, ...]) -> None:
+    for name in layers:
+        dt.fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
+    dt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+
+def _grads(model: nn.Module, x: np.ndarray, y: np.ndarray, mesh: dt.DeviceMesh, steps: int = 1) -> dict[str, Any]:
+    """Complete gradients after ``steps`` backwards (accumulated, no zero_grad)."""
+    xd = dt.distribute_tensor(x, mesh, [S0])
+    for _ in range(steps):
+        out = model(xd)
+        F.mse_loss(out, dt.distribute_tensor(y, mesh, out.placements)).backward()
+    nn.utils.reduce_gradients(list(model.parameters()))
+    return {k: np.array(p.grad.to_torch()) for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+@pytest.mark.parametrize("width", lengths_for(SIZE))
+def test_gradients_equal_the_replicated_model(mesh1d: dt.DeviceMesh, width: int, reshard: bool,
+                                              check: Checker) -> None:
+    x = np.random.default_rng(3).standard_normal((5, 4))
+    y = np.random.default_rng(4).standard_normal((5, 3))
+    dt.manual_seed(0)
+    plain = Tower(width, mesh1d)
+    want = _grads(plain, x, y, mesh1d, steps=2)
+    dt.manual_seed(0)
+    model = Tower(width, mesh1d)
+    params = dict(model.named_parameters())
+    _shard_all(model, mesh1d, reshard, ("a", "b"))
+    got = _grads(model, x, y, mesh1d, steps=2)  # two backwards accumulate into the shards
+    for name, p in model.named_parameters():
+        check.true(p is params[name], f"{name}: fully_shard keeps the Parameter object")
+        check.true(p.placements == (S0,) and p.grad is not None and p.grad.placements == (S0,),
+                   f"{name}: placed {p.placements}, grad {None if p.grad is None else p.grad.placements}")
+        local = p.to_local()
+        check.true(local.base is None and local.flags.owndata, f"{name}: the shard is a view of a larger array")
+        check.equal(got[name], want[name], f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    for unit in (model.a._fsdp_unit, model.b._fsdp_unit):
+        check.true(unit.state == "free", f"a unit is {unit.state} after backward")
+        check.true(all(not v.any() for v in unit.buffer.views), "a freed buffer still holds its pages")
+    check.done()
+
+
+def _expected_bytes(model: nn.Module) -> int:
+    """sum over parameters of (gathered piece - own shard) bytes: what an all-gather receives
+    and a reduce-scatter sends on this rank (the gathered piece: the complete parameter, or
+    its tensor-parallel piece on the 2-D plan)."""
+    slots = [s for m in model.modules() if "_fsdp_unit" in m.__dict__ for s in m.__dict__["_fsdp_unit"].slots]
+    assert len(slots) == len(list(model.parameters()))
+    return sum(int(np.prod(s.gathered.spec.local_shape)) * s.gathered.dtype.itemsize - s.sharded.to_local().nbytes
+               for s in slots)
+
+
+PLANS = [p for p in ("fsdp", "fsdp_keep", "fsdp_tp") if train_mlp.mesh_shape(p, SIZE) is not None]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_communication_is_zero3(plan: str, check: Checker) -> None:
+    reshard = train_mlp.PLANS[plan]["fully_shard"]["reshard_after_forward"]
+    shape = train_mlp.mesh_shape(plan, SIZE)
+    assert shape is not None
+    mesh = dt.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[:len(shape)])
+    try:
+        dt.manual_seed(0)
+        model = train_mlp.MLP(3, mesh)
+        train_mlp.apply_plan(model, plan)
+        opt = dt.optim.AdamW(list(model.parameters()), lr=0.01)
+        x_full, y_full = train_mlp.dataset("regression")
+        x = dt.distribute_tensor(x_full, mesh, train_mlp.PLANS[plan]["batch"])
+        y = dt.distribute_tensor(y_full, mesh, train_mlp.PLANS[plan]["batch"])
+        smallest = min(p.size * p.dtype.itemsize for p in model.parameters())
+        for step in range(2):  # the second step runs with forward prefetch
+            opt.zero_grad()
+            with dt.CommCounter() as moved:
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+            s = moved.summary()
+            expect = _expected_bytes(model)
+            gathered = sum(r.bytes_recv for r in moved.records if r.kind == "all_gather")
+            scattered = sum(r.bytes_sent for r in moved.records if r.kind == "reduce_scatter")
+            check.true(gathered == (2 if reshard else 1) * expect,
+                       f"step {step}: all-gathers received {gathered}, ZeRO-3 says {(2 if reshard else 1)} x {expect}")
+            check.true(scattered == expect, f"step {step}: reduce-scatters sent {scattered}, ZeRO-3 says {expect}")
+            big = [r for r in moved.records if r.kind == "all_reduce" and r.bytes_sent >= smallest]
+            check.true(plan == "fsdp_tp" or not big, f"step {step}: parameter-sized all-reduces {big}")
+            check.true(set(k for k, _ in s) <= {"all_gather", "reduce_scatter", "all_reduce"}, f"kinds {s}")
+            check.true(all(r.nonblocking for r in moved.records if r.kind in ("all_gather", "reduce_scatter")),
+                       "FSDP collectives run nonblocking")
+        for p, state in opt.state.items():
+            check.true(p.placements[-1] == S0 and state["exp_avg"].spec == p.spec and state["exp_avg_sq"].spec == p.spec,
+                       "optimizer state follows the sharded parameter")
+    finally:
+        mesh.free()
+    check.done()
+
+
+def test_next_units_gather_is_prefetched(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch,
+                                         check: Checker) -> None:
+    """On the second step every unit but the first of forward finds its all-gather already
+    started (by the unit before it), and in backward every unit but the first of backward."""
+    seen: list[tuple[str, str]] = []
+    gather = _Unit.gather
+
+    def logged(self: _Unit) -> None:
+        seen.append((type(self.module).__name__ + getattr(self, "_name", ""), self.state))
+        gather(self)
+
+    dt.manual_seed(0)
+    model = train_mlp.MLP(3, mesh1d)
+    train_mlp.apply_plan(model, "fsdp")
+    for name in ("fc1", "fc2", "head"):
+        object.__setattr__(model.get_submodule(name)._fsdp_unit, "_name", "." + name)
+    x_full, y_full = train_mlp.dataset("regression")
+    x = dt.distribute_tensor(x_full, mesh1d, [S0])
+    y = dt.distribute_tensor(y_full, mesh1d, [S0])
+    F.mse_loss(model(x), y).backward()
+    monkeypatch.setattr(_Unit, "gather", logged)
+    out = model(x)
+    forward = list(seen)
+    seen.clear()
+    F.mse_loss(out, y).backward()
+    backward = [(n, st) for n, st in seen if n != "MLP"]
+    check.true(forward[0] == ("MLP", "free") and all(st == "pending" for _, st in forward[1:]),
+               f"forward: {forward}")
+    check.true([n for n, _ in forward] == ["MLP", "Linear.fc1", "RowLinear.fc2", "Linear.head"], f"{forward}")
+    check.true(backward[0] == ("Linear.head", "free") and [st for _, st in backward[1:]] == ["pending", "pending"],
+               f"backward: {backward}")
+    check.done()
+
+
+def test_state_dict_and_checkpoint_across_plans(shared_dir: str, check: Checker) -> None:
+    """A fully sharded model's state_dict holds Shard(0) DTensors of the complete values; saved
+    with its optimizer and loaded into the replicated plan (and back) gives the same values."""
+    mesh = dt.init_device_mesh("cpu", (SIZE,), mesh_dim_names=("dp",))
+    path = os.path.join(shared_dir, "fsdp.h5")
+    try:
+        dt.manual_seed(0)
+        model = train_mlp.MLP(3, mesh)
+        train_mlp.apply_plan(model, "fsdp")
+        opt = dt.optim.SGD(list(model.named_parameters()), lr=0.1, momentum=0.9)
+        x = dt.distribute_tensor(train_mlp.dataset("regression")[0], mesh, [S0])
+        model(x).sum().backward()
+        opt.step()
+        sd = model.state_dict()
+        check.true(all(v.placements == (S0,) for v in sd.values()), "state_dict keeps Shard(0)")
+        values = {k: np.array(v.to_torch()) for k, v in sd.items()}
+        moments = {id(p): np.array(s["momentum_buffer"].to_torch()) for p, s in opt.state.items()}
+        dt.save({"model": model, "optim": opt}, path)
+        dt.manual_seed(5)
+        other = train_mlp.MLP(3, mesh)
+        other_opt = dt.optim.SGD(list(other.named_parameters()), lr=0.1, momentum=0.9)
+        dt.load(path, {"model": other, "optim": other_opt})  # into the replicated plan
+        for k, p in other.named_parameters():
+            check.true(p.placements == (R,), f"{k} stays Replicate")
+            check.equal(p.to_torch(), values[k], f"{k} loaded replicated")
+        for (k, p), (_, q) in zip(other.named_parameters(), model.named_parameters()):
+            check.equal(other_opt.state[p]["momentum_buffer"].to_torch(), moments[id(q)], f"{k} momentum")
+        dt.save({"model": other, "optim": other_opt}, path)
+        dt.manual_seed(6)
+        back = train_mlp.MLP(3, mesh)
+        train_mlp.apply_plan(back, "fsdp")
+        back_opt = dt.optim.SGD(list(back.named_parameters()), lr=0.1, momentum=0.9)
+        dt.load(path, {"model": back, "optim": back_opt})  # and into the fully sharded plan
+        for k, p in back.named_parameters():
+            check.true(p.placements == (S0,), f"{k} stays Shard(0)")
+            check.equal(p.to_torch(), values[k], f"{k} loaded sharded")
+        out_back, out_model = back(x), model(x)
+        check.equal(out_back.to_torch(), out_model.to_torch(), "forward after load")
+    finally:
+        mesh.free()
+    check.done()
+
+
+def test_no_grad_forward_equals_and_frees(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    x = dt.distribute_tensor(np.random.default_rng(1).standard_normal((5, 4)), mesh1d, [S0])
+    dt.manual_seed(0)
+    plain = Tower(5, mesh1d)
+    dt.manual_seed(0)
+    model = Tower(5, mesh1d)
+    _shard_all(model, mesh1d, False, ("a", "b"))
+    with dt.no_grad():
+        got = model(x)
+    check.equal(got.to_torch(), plain(x).to_torch(), "eval forward", exact=False, rtol=0, atol=1e-14)
+    check.true(model.a._fsdp_unit.state == "free" and model.b._fsdp_unit.state == "free",
+               "nothing stays gathered after a forward without backward")
+    check.true(model.a.weight.placements == (S0,), "the module shows its sharded parameters outside forward")
+    check.done()
+
+
+def test_refusals(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
+    dt.manual_seed(0)
+    with pytest.raises(ValueError, match="1-D mesh"):
+        dt.fully_shard(Tower(3, mesh2d), mesh=mesh2d)
+    with pytest.raises(dt.MeshMismatchError, match=r"a\.weight lives on"):
+        dt.fully_shard(Tower(3, mesh2d), mesh=mesh1d)
+    tp = Tower(3, mesh1d)
+    dt.parallelize_module(tp, mesh1d, {"a": dt.ColwiseParallel()})
+    dt.fully_shard(tp.b, mesh=mesh1d)
+    with pytest.raises(dt.PlacementError, match=r"a.weight is placed \[Shard\(dim=0\)\] on the data-parallel mesh; fully_shard takes replicated"):
+        dt.fully_shard(tp, mesh=mesh1d)
+    twice = Tower(3, mesh1d)
+    dt.fully_shard(twice, mesh=mesh1d)
+    with pytest.raises(ValueError, match="already applied"):
+        dt.fully_shard(twice, mesh=mesh1d)
+    with pytest.raises(TypeError, match="mesh must be a DeviceMesh"):
+        dt.fully_shard(Tower(3, mesh1d), mesh="dp")  # type: ignore[arg-type]
+
+
+class Pair(nn.Module):
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 7, device_mesh=mesh, dtype=np.float64)
+        self.b = nn.Linear(7, 3, device_mesh=mesh, dtype=np.float64)
+
+    def forward(self, x: Any) -> Any:
+        return self.b(F.gelu(self.a(x), "tanh"))
+
+
+@pytest.mark.skipif(SIZE % 2 != 0, reason="a (2, N/2) mesh")
+@pytest.mark.parametrize("reshard", RESHARD)
+def test_fsdp_over_tensor_parallel_styles(reshard: bool, check: Checker) -> None:
+    """torchtitan's 2-D recipe: parallelize_module on mesh['tp'], then fully_shard on mesh['dp'].
+    The parameters become DTensors on the (tp, dp) order of the 2-D mesh, each tp piece split
+    over dp (Colwise rows nest: the dp split inside the tp one); each dp group feeds its half of
+    the batch, and the gradients (averaged over dp, as FSDP does) equal the replicated model's
+    on the whole batch."""
+    mesh = dt.init_device_mesh("cpu", (2, SIZE // 2), mesh_dim_names=("dp", "tp"))
+    try:
+        x = np.random.default_rng(3).standard_normal((6, 4))
+        y = np.random.default_rng(4).standard_normal((6, 3))
+        dt.manual_seed(0)
+        plain = Pair(mesh["tp"])
+        F.mse_loss(plain(dt.distribute_tensor(x, mesh["tp"], [R])), dt.distribute_tensor(y, mesh["tp"], [R])).backward()
+        want = {k: np.array(p.grad.to_torch()) for k, p in plain.named_parameters()}
+        values = {k: np.array(p.to_torch()) for k, p in plain.named_parameters()}
+        dt.manual_seed(0)
+        model = Pair(mesh["tp"])
+        dt.parallelize_module(model, mesh["tp"], {"a": dt.ColwiseParallel(use_local_output=False),
+                                                  "b": dt.RowwiseParallel(use_local_output=False)})
+        for layer in (model.a, model.b, model):
+            dt.fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        placed = {k: p.placements for k, p in model.named_parameters()}
+        check.true(placed == {"a.weight": (S0, S0), "a.bias": (S0, S0), "b.weight": (dt.Shard(1), S0),
+                              "b.bias": (R, S0)}, f"placements {placed}")
+        store = model.a.weight.device_mesh
+        check.true(store.mesh_dim_names == ("tp", "dp") and np.array_equal(store.mesh, mesh.mesh.T), "store mesh")
+        rows = np.array_split(np.arange(7), SIZE // 2)[mesh.get_coordinate()[1]]  # this rank's tp rows
+        mine = np.array_split(rows, 2)[mesh.get_coordinate()[0]]  # split again over dp
+        check.equal(model.a.weight.to_local(), values["a.weight"][mine], "the dp split nests inside the tp piece")
+        for k, p in model.named_parameters():
+            check.equal(p.to_torch(), values[k], f"{k} complete value")
+        dp = mesh.get_coordinate()[0]
+        half = slice(3 * dp, 3 * dp + 3)
+        out = model(dt.distribute_tensor(x[half], mesh["tp"], [R]))
+        F.mse_loss(out, dt.distribute_tensor(y[half], mesh["tp"], [R])).backward()
+        for k, p in model.named_parameters():
+            check.true(p.grad is not None and p.grad.spec == p.spec, f"{k}: grad placed like its parameter")
+            check.equal(p.grad.to_torch(), want[k], f"{k} grad", exact=False, rtol=0, atol=1e-12)
+        check.true("Shard" in dt.sharding_table(model.a.weight) if hasattr(dt, "sharding_table") else True,
+                   "the layout shows in sharding_table")
+    finally:
+        mesh.free()
+    check.done()
+
+
+class Leaky(nn.Module):
+    """Keeps a result of its parameter on itself and returns its input: the later use of
+    ``leaky.h`` sends a gradient into the unit other than through its outputs."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.w = nn.Parameter(dt.distribute_tensor(np.arange(12.0).reshape(3, 4), mesh, [R]))
+        self.h: Any = None
+
+    def forward(self, x: Any) -> Any:
+        self.h = x @ self.w.T
+        return x
+
+
+def test_backward_on_freed_parameters_raises_on_every_rank(mesh1d: dt.DeviceMesh) -> None:
+    x = dt.distribute_tensor(np.ones((5, 4)), mesh1d, [S0])
+    leaky = dt.fully_shard(Leaky(mesh1d), mesh=mesh1d)
+    leaky(x)
+    with pytest.raises(RuntimeError, match="ran while its parameters were freed"):
+        (leaky.h * leaky.h).sum().backward()
+    assert leaky.w.grad is None
+    kept = dt.fully_shard(Leaky(mesh1d), mesh=mesh1d, reshard_after_forward=False)
+    kept(x)  # with the parameters kept after forward, the same program trains
+    (kept.h * kept.h).sum().backward()
+    w = np.arange(12.0).reshape(3, 4)
+    want = 2 * (np.ones((5, 4)) @ w.T).T @ np.ones((5, 4))
+    np.testing.assert_allclose(kept.w.grad.to_torch(), want, rtol=0, atol=1e-12)
+    assert kept.w.grad.placements == (S0,)
+
+
+def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """A hook raising after some units' reduce-scatters started: the next backward's gradients
+    are its own (the failed one's reductions complete but add to nothing)."""
+    x_full, y_full = train_mlp.dataset("regression")
+    x = dt.distribute_tensor(x_full, mesh1d, [S0])
+    y = dt.distribute_tensor(y_full, mesh1d, [S0])
+    dt.manual_seed(0)
+    clean = train_mlp.MLP(3, mesh1d)
+    train_mlp.apply_plan(clean, "fsdp")
+    F.mse_loss(clean(x), y).backward()
+    want = {k: np.array(p.grad.to_torch()) for k, p in clean.named_parameters()}
+    dt.manual_seed(0)
+    model = train_mlp.MLP(3, mesh1d)
+    train_mlp.apply_plan(model, "fsdp")
+    first = model.fc1._fsdp_unit.slots[0].gathered
+
+    def fail(_leaf: dt.DTensor) -> None:
+        raise ValueError("a hook failed")
+
+    handle = first.register_post_accumulate_grad_hook(fail)
+    with pytest.raises(ValueError, match="a hook failed"):
+        F.mse_loss(model(x), y).backward()
+    handle.remove()
+    for p in model.parameters():
+        p.grad = None
+    F.mse_loss(model(x), y).backward()
+    for k, p in model.named_parameters():
+        check.equal(p.grad.to_torch(), want[k], f"{k} grad after a failed backward", exact=False, rtol=0, atol=1e-14)
+    check.true(all(u.state == "free" for u in model._fsdp_unit.group.units), "every unit freed")
+    check.done()
