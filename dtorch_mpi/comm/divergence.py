@@ -111,23 +111,44 @@ def user_site() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-def _fingerprint(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+_CODES: dict[str, int] = {}
 
 
-def compare(group: Group, comm: MPI.Intracomm, description: str) -> None:
-    """Every rank of ``group`` makes the call ``description`` (checked on ``comm``, the twin),
-    or every rank raises ``SPMDDivergenceError`` naming each rank's call."""
-    h = _fingerprint(description)
-    both = np.array([h, -h], dtype=np.int64)
-    low = np.empty(2, dtype=np.int64)
-    wait_request(comm.Iallreduce(both, low, op=MPI.MIN), "the SPMD divergence check (Allreduce)")
-    if low[0] == -low[1]:
+def code(text: str) -> int:
+    """A digest of ``text`` equal on every rank (``hash`` of a string is salted per process),
+    cached: the kinds, dtypes, ops and call sites a program uses are few."""
+    value = _CODES.get(text)
+    if value is None:
+        value = _CODES[text] = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+        if len(_CODES) > 4096:
+            _CODES.clear()
+    return value
+
+
+def fingerprint(parts: tuple[object, ...]) -> int:
+    """``parts`` (ints, tuples of ints, strings) as one int64, equal on every rank for equal parts:
+    the strings as :func:`code`, then Python's ``hash`` of the tuple (deterministic for ints and
+    tuples of them, on every rank running one interpreter version; the mesh agrees settings)."""
+    return hash(tuple(code(p) if isinstance(p, str) else p for p in parts)) >> 1
+
+
+_MINE = np.empty(2, dtype=np.int64)
+_LOW = np.empty(2, dtype=np.int64)  # reused: a check is waited before the next one starts
+
+
+def compare(group: Group, comm: MPI.Intracomm, fp: int, describe: Callable[[], str]) -> None:
+    """Every rank of ``group`` makes the call fingerprinted ``fp`` (checked on ``comm``, the
+    twin), or every rank raises ``SPMDDivergenceError`` naming each rank's call (``describe()``,
+    built only then)."""
+    _MINE[0] = fp
+    _MINE[1] = -fp
+    wait_request(comm.Iallreduce(_MINE, _LOW, op=MPI.MIN), "the SPMD divergence check (Allreduce)")
+    if _LOW[0] == -_LOW[1]:
         return
     from ..errors import SPMDDivergenceError
     from ..spmd import _allgather_bytes
 
-    calls = [r.decode(errors="replace") for r in _allgather_bytes(comm, description.encode())]
+    calls = [r.decode(errors="replace") for r in _allgather_bytes(comm, describe().encode())]
     dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
     raise SPMDDivergenceError(
         f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"

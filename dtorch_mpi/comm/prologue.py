@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import counter
 from .config import spmd_check, spmd_debug
-from .divergence import _TWINS, CHECK_FROM, compare, current_context, twin_of, user_site
+from .divergence import _TWINS, CHECK_FROM, compare, current_context, fingerprint, twin_of, user_site
 from .group import Group
 from .work import collective_starting, completed
 
@@ -37,13 +37,13 @@ if TYPE_CHECKING:
 _NO_FACTS: dict[str, Any] = {}  # the hot path builds no description
 
 
-def check_same_call(group: Group, description: str) -> None:
-    """All ranks of ``group`` must be making the call ``description`` (compared on the
+def check_same_call(group: Group, fp: int, describe: Callable[[], str]) -> None:
+    """All ranks of ``group`` must be making the call fingerprinted ``fp`` (compared on the
     communicator's check twin, or on ``group.comm`` itself for one the library did not build)."""
     if group.size == 1:
         return
     twin = twin_of(group.comm)
-    compare(group, group.comm if twin is None else twin.comm, description)
+    compare(group, group.comm if twin is None else twin.comm, fp, describe)
 
 
 def _alone(send: Any, out: Any) -> Handle:
@@ -80,14 +80,21 @@ class Prologued:
 
     def _check(self, group: Group, kind: str, shape: tuple[int, ...], send: Any, out: Any,
                facts: dict[str, Any]) -> None:
-        """Step 3: the group-wide description of the call, compared across the group."""
-        call, _ = self.inner.call_for(kind, send, out, facts)
-        more = "".join(f", {k}={v}" for k, v in facts.items())
+        """Step 3: the call's fingerprint compared across the group (its text only on a mismatch)."""
         twin = twin_of(group.comm)
-        number = "" if twin is None else f" #{twin.seq}"
-        site = f" at {user_site()}" if spmd_debug() else ""
-        check_same_call(group, f"{kind}({shape}:{out.dtype}{more}, {self.name}={call}){number}"
-                               f"{current_context()}{site}")
+        seq = -1 if twin is None else twin.seq
+        context = current_context()
+        site = user_site() if spmd_debug() else ""
+        fp = fingerprint((seq, kind, shape, out.dtype.str, *facts.values(), context, site))
+
+        def describe() -> str:
+            call, _ = self.inner.call_for(kind, send, out, facts)
+            more = "".join(f", {k}={v}" for k, v in facts.items())
+            number = "" if twin is None else f" #{seq}"
+            at = f" at {site}" if site else ""
+            return f"{kind}({shape}:{out.dtype}{more}, {self.name}={call}){number}{context}{at}"
+
+        check_same_call(group, fp, describe)
 
     def _record(self, group: Group, kind: str, send: Any, out: Any, facts: dict[str, Any],
                 sent: int, recv: int, async_op: bool) -> None:
