@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from . import abort
 from ._mpi import library_world, node_facts, node_id, node_local_rank
+from .comm import divergence
 from .comm.deadline import wait_request
 from .errors import MeshMismatchError
 from .spmd import require_same
@@ -35,10 +36,10 @@ def _settings() -> dict[str, object]:
     """The settings that decide which MPI calls the library makes or how long it waits on them:
     agreed at every mesh construction, so no rank runs another collective path, debug check or
     deadline."""
-    from .comm.config import comm_path, spmd_debug
+    from .comm.config import comm_path, spmd_check, spmd_debug
     from .comm.deadline import collective_timeout
 
-    return {"DTORCH_COMM_PATH": comm_path(), "DTORCH_SPMD_DEBUG": spmd_debug(),
+    return {"DTORCH_COMM_PATH": comm_path(), "DTORCH_SPMD_DEBUG": spmd_debug(), "DTORCH_SPMD_CHECK": spmd_check(),
             "DTORCH_COLLECTIVE_TIMEOUT": collective_timeout()}
 
 
@@ -131,6 +132,8 @@ class DeviceMesh:
                 color = int(np.ravel_multi_index(rest, rest_shape)) if rest else 0
                 key = self._coordinate[k]
             self._groups.append(world.Split(color, key))  # type: ignore[arg-type]
+        for comm in (self._comm, *self._groups):
+            divergence.attach(comm)  # the divergence check's own communicator (collective)
         node_facts()  # a world collective the first time: every world rank is here
         if array.ndim >= 2 and self._coordinate is not None:
             _warn_if_inner_dim_crosses_hosts(self._groups[-1], array.shape, self.mesh_dim_names)
@@ -235,6 +238,7 @@ class DeviceMesh:
             hook()
         if self._owns_comms:
             for comm in (self._comm, *self._groups):
+                divergence.detach(comm)
                 if comm != MPI.COMM_NULL:
                     comm.Free()
 

@@ -53,13 +53,21 @@ path = MPI.COMM_WORLD.bcast(os.path.join(tempfile.mkdtemp(), "quickstart.h5") if
 dt.save(lin.state_dict(), path)
 again = dt.nn.Linear(11, 2 * size + 1, device_mesh=mesh)  # replicated: resharded on load
 dt.load(path, again)
-say("saved and reloaded:", all(np.array_equal(again.state_dict()[k].to_torch(), v) for k, v in weights.items()))
+reloaded = {k: again.state_dict()[k].to_torch() for k in weights}
+say("saved and reloaded:", all(np.array_equal(reloaded[k], v) for k, v in weights.items()))
 
 # 6. Gather on read (also nonblocking) and sharding-invariant random numbers.
 assert np.array_equal(s.to_torch_async().wait(), full)
 dt.manual_seed(0)
 a = dt.randn(5, 7, device_mesh=mesh, placements=[dt.Shard(1)]).to_torch()
 dt.manual_seed(0)
-say("randn identical across placements:", np.array_equal(a, dt.randn(5, 7, device_mesh=mesh).to_torch()))
+b = dt.randn(5, 7, device_mesh=mesh).to_torch()
+say("randn identical across placements:", np.array_equal(a, b))
 say("quickstart done")
+if os.environ.get("DTORCH_EXAMPLE_RESULTS"):  # what tests/test_examples.py checks itself
+    results = {"full": full, "matmul": y.to_torch(), "fixed": (x @ w).to_torch(), "randn_sharded": a,
+               "randn_replicated": b, **{"weights." + k: v for k, v in weights.items()},
+               **{"reloaded." + k: v for k, v in reloaded.items()}}  # gathered on every rank
+    if rank == 0:
+        np.savez(os.environ["DTORCH_EXAMPLE_RESULTS"], **results)
 mesh.free()

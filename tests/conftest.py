@@ -70,10 +70,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 class Checker:
     """Collects mismatches instead of asserting at once, so every rank reaches every collective
-    of a test; ``done()`` asserts at the end."""
+    of a test; ``done()`` asserts at the end, and the ``check`` fixture calls it at teardown so
+    no test can forget it (failures a ``done()`` already reported are not reported again)."""
 
     def __init__(self) -> None:
         self.failures: list[str] = []
+        self.reported = 0  # failures done() has already seen
 
     def equal(self, got: Any, want: Any, what: str, *, exact: bool = True, rtol: float = 1e-5,
               atol: float = 1e-6) -> None:
@@ -92,12 +94,15 @@ class Checker:
             self.failures.append(what)
 
     def done(self) -> None:
-        assert not self.failures, f"{len(self.failures)} mismatches:\n" + "\n".join(self.failures[:30])
+        new, self.reported = self.failures[self.reported:], len(self.failures)
+        assert not new, f"{len(new)} mismatches:\n" + "\n".join(new[:30])
 
 
 @pytest.fixture
-def check() -> Checker:
-    return Checker()
+def check() -> Iterator[Checker]:
+    checker = Checker()
+    yield checker
+    checker.done()  # a test that never called done() is still verified
 
 
 @pytest.fixture

@@ -7,9 +7,10 @@ import shutil
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 from mpi4py import MPI
-from mpi_launch import mpiexec
+from mpi_launch import child_env, mpiexec
 from mpi_launch import run as launch
 
 pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches mpiexec; runs in the 1-process pass")
@@ -21,18 +22,43 @@ def run(n: int, *args: str) -> str:
     return proc.stdout
 
 
+def results(n: int, script: str) -> tuple[str, dict[str, np.ndarray]]:
+    """Run an example; its printed output and the arrays it saved (``DTORCH_EXAMPLE_RESULTS``),
+    from which the test computes the verdicts itself (never the example's own printed ones)."""
+    directory = tempfile.mkdtemp()
+    try:
+        path = os.path.join(directory, "results.npz")
+        proc = mpiexec(n, sys.executable, script, env=child_env(DTORCH_EXAMPLE_RESULTS=path))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        with np.load(path) as saved:
+            return proc.stdout, dict(saved)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def test_quickstart() -> None:
-    out = run(4, sys.executable, "examples/quickstart.py")
+    out, got = results(4, "examples/quickstart.py")
     assert "local shapes by rank: [(4, 3), (4, 3), (4, 3), (4, 2)]" in out
     assert "PlacementError, suggested fix:" in out and "after the fix: (Partial(\"sum\"),)" in out
-    assert "saved and reloaded: True" in out and "randn identical across placements: True" in out
     assert "quickstart done" in out
+    full = np.arange(44, dtype=np.float32).reshape(4, 11)
+    assert np.array_equal(got["full"], full)
+    assert np.allclose(got["matmul"], full @ np.ones((11, 2))) and np.allclose(got["fixed"], full @ np.ones((11, 2)))
+    assert np.array_equal(got["weights.weight"], np.ones((9, 11))) and np.array_equal(got["weights.bias"], np.zeros(9))
+    for k in ("weight", "bias"):  # saved, reloaded into a replicated module
+        assert np.array_equal(got[f"reloaded.{k}"], got[f"weights.{k}"]), k
+    assert got["randn_sharded"].shape == (5, 7) and np.array_equal(got["randn_sharded"], got["randn_replicated"])
+    assert np.unique(got["randn_sharded"]).size == 35  # random numbers, not a constant
 
 
 def test_tensor_parallel_mlp() -> None:
-    out = run(4, sys.executable, "examples/tensor_parallel_mlp.py")
-    assert "equals the NumPy reference: True" in out
+    out, got = results(4, "examples/tensor_parallel_mlp.py")
     assert "all_reduce  0             1" in out
+    x, w0, b0, w2, b2 = (got[k] for k in ("x", "0.weight", "0.bias", "2.weight", "2.bias"))
+    assert w0.shape == (19, 16) and x.shape == (5, 16)  # hidden 4 * 4 + 3: uneven over 4 ranks
+    np.testing.assert_allclose(got["y"], np.maximum(x @ w0.T + b0, 0) @ w2.T + b2, rtol=1e-12, atol=1e-12)
+    for k in ("0.weight", "0.bias", "2.weight", "2.bias"):
+        assert np.array_equal(got[f"gathered.{k}"], got[k]), k
 
 
 def test_checkpoint_reshard() -> None:

@@ -319,13 +319,23 @@ def test_reduce_gradients_refuses_mismatched_shapes(mesh1d: dt.DeviceMesh) -> No
         reduce_gradients([p])
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def _torch_total_norm(fulls: list[np.ndarray], p: float) -> float:
+    """PyTorch's total: the p-norm of the gradients' own p-norms (NumPy's vector norms; p = 0
+    thus counts the gradients with a nonzero entry; an empty gradient has no -inf norm)."""
+    with np.errstate(divide="ignore"):
+        norms = [np.linalg.norm(f.ravel(), ord=p) for f in fulls if f.size or p != -math.inf]
+        return float(np.linalg.norm(np.array(norms), ord=p))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, 0.5, math.inf, -math.inf, 0.0, -1.0])
 def test_clip_grad_norm(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker, norm_type: float) -> None:
     R, S0, S1 = dt.Replicate(), dt.Shard(0), dt.Shard(1)
     layouts = [(mesh2d, [S0, R]), (mesh2d, [R, R]), (mesh2d, [R, S1]), (mesh2d, [S1, S0])]
     for mesh, plcs in ((mesh1d, [[S0], [S1], [R], [S0]]), (mesh2d, [plc for _, plc in layouts])):
         for max_norm in (1e9, 0.5):
             fulls = [reference(shape, seed=i) for i, shape in enumerate([(SIZE + 1, 3), (2, 2 * SIZE + 1), (0, 4), (5, 1)])]
+            if norm_type == 0:
+                fulls[3][:] = 0  # p = 0 counts the gradients with a nonzero entry: 2 of 4
             params = []
             for full, plc in zip(fulls, plcs):
                 p = Parameter(dt.zeros(*full.shape, dtype=np.float64, device_mesh=mesh, placements=plc))
@@ -333,8 +343,7 @@ def test_clip_grad_norm(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Che
                 params.append(p)
             with dt.CommCounter() as counter:
                 total = clip_grad_norm_(params, max_norm, norm_type)
-            flat = np.concatenate([f.ravel() for f in fulls])
-            want = float(np.linalg.norm(flat, ord=norm_type))
+            want = _torch_total_norm(fulls, norm_type)
             check.true(isinstance(total, float) and math.isclose(total, want, rel_tol=1e-12),
                        f"{mesh.shape} p={norm_type}: norm {total} != {want}")
             check.true(counter.count == (1 if SIZE > 1 else 0), f"{counter.count} collectives")

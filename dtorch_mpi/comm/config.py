@@ -51,3 +51,21 @@ def spmd_debug() -> bool:
 def set_spmd_debug(on: bool) -> None:
     global _debug
     _debug = bool(on)
+
+
+_check: bool | None = None
+
+
+def spmd_check() -> bool:
+    """``DTORCH_SPMD_CHECK`` (default ``1``): the default divergence check of collectives of
+    64 KiB or more (comm/divergence.py); ``0`` turns it off (to measure its cost)."""
+    global _check
+    if _check is None:
+        _check = os.environ.get("DTORCH_SPMD_CHECK", "1") not in ("", "0")
+    return _check
+
+
+def set_spmd_check(on: bool) -> None:
+    """Turn the default divergence check on or off for this process (every rank alike)."""
+    global _check
+    _check = bool(on)

@@ -6,10 +6,14 @@ Around every collective, in this order (one definition, the same for every backe
 1. A group of one rank moves nothing: ``send`` is copied into ``out``.
 2. ``collective_starting()``: pending multi-step redistributes start their queued steps, so
    every rank starts collectives on a communicator in one order.
-3. SPMD debug mode (``DTORCH_SPMD_DEBUG=1``): the group checks that every rank makes the same
-   call (kind, group-wide shapes and sizes, and the backend's own call for them), raising
-   ``SPMDDivergenceError`` instead of hanging.
-4. All-empty buffers (a group-wide fact) move nothing.
+3. The divergence check (comm/divergence.py): by default when the call's group-wide payload
+   (the whole tensor's bytes, from facts every rank making the same call shares) is 64 KiB or
+   more, before every call in SPMD debug mode (``DTORCH_SPMD_DEBUG=1``): the group compares
+   the call (its number on the communicator, kind, group-wide shape, dtype, sizes, op, the
+   backend's own call for them, the caller's context), raising ``SPMDDivergenceError`` on every
+   rank instead of moving data between different calls.
+4. All-empty buffers (a group-wide fact) move nothing; any other call is counted on its
+   communicator (the number step 3 compares).
 5. ``counter.record`` once, with the payload bytes of the kind (padding excluded).
 6. The backend's method; a blocking call (``async_op=False``) is waited here, so the wait is
    bounded by the collective deadline (``Handle.wait``: ``DTORCH_COLLECTIVE_TIMEOUT``).
@@ -17,44 +21,29 @@ Around every collective, in this order (one definition, the same for every backe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from . import counter
-from .config import spmd_debug
-from .deadline import wait_request
+from .config import spmd_check, spmd_debug
+from .divergence import _TWINS, CHECK_FROM, compare, current_context, fingerprint, twin_of, user_site
 from .group import Group
 from .work import collective_starting, completed
 
 if TYPE_CHECKING:
     from .backend import Backend, Handle
 
-_DEBUG_BYTES = 512
 _NO_FACTS: dict[str, Any] = {}  # the hot path builds no description
 
 
-def check_same_call(group: Group, description: str) -> None:
-    """SPMD debug mode: all ranks of ``group`` must be making the same collective call."""
+def check_same_call(group: Group, fp: int, describe: Callable[[], str]) -> None:
+    """All ranks of ``group`` must be making the call fingerprinted ``fp`` (compared on the
+    communicator's check twin, or on ``group.comm`` itself for one the library did not build)."""
     if group.size == 1:
         return
-    mine = np.zeros(_DEBUG_BYTES, dtype=np.uint8)
-    raw = description.encode()[:_DEBUG_BYTES]
-    mine[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    table = np.empty((group.size, _DEBUG_BYTES), dtype=np.uint8)
-    wait_request(group.comm.Iallgather(mine, table), "the SPMD debug check (Allgather)")
-    calls = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
-    if len(set(calls)) > 1:
-        from ..errors import SPMDDivergenceError
-
-        dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
-        raise SPMDDivergenceError(
-            f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"
-            + "\n".join(f"  group rank {r}: {c}" for r, c in enumerate(calls))
-            + "\nEvery rank must run the same sequence of collective operations."
-        )
+    twin = twin_of(group.comm)
+    compare(group, group.comm if twin is None else twin.comm, fp, describe)
 
 
 def _alone(send: Any, out: Any) -> Handle:
@@ -69,6 +58,16 @@ def _others(shape: Sequence[int], *axes: int) -> int:
     return prod(n for i, n in enumerate(shape) if i not in axes)
 
 
+def _with(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
+    return tuple(n if i == axis else d for i, d in enumerate(shape))
+
+
+def _wants_facts(nbytes: int) -> bool:
+    """Whether the call's description may be needed: a counter, debug mode, or the default
+    check's size (its on/off switch is read only then)."""
+    return bool(counter._active) or nbytes >= CHECK_FROM or spmd_debug()
+
+
 class Prologued:
     """``inner`` with the prologue around each of its six collectives (see the module doc)."""
 
@@ -79,27 +78,45 @@ class Prologued:
     def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
         return self.inner.call_for(kind, send, out, facts)
 
-    def _check(self, group: Group, kind: str, shared: Any, send: Any, out: Any, facts: dict[str, Any]) -> None:
-        """Step 3: the group-wide description of the call, compared across the group."""
-        call, _ = self.inner.call_for(kind, send, out, facts)
-        shape = "" if shared is None else f"{tuple(shared.shape)}:"
-        more = "".join(f", {k}={v}" for k, v in facts.items())
-        check_same_call(group, f"{kind}({shape}{out.dtype}{more}, {self.name}={call})")
+    def _check(self, group: Group, kind: str, shape: tuple[int, ...], send: Any, out: Any,
+               facts: dict[str, Any]) -> None:
+        """Step 3: the call's fingerprint compared across the group (its text only on a mismatch)."""
+        twin = twin_of(group.comm)
+        seq = -1 if twin is None else twin.seq
+        context = current_context()
+        site = user_site() if spmd_debug() else ""
+        fp = fingerprint((seq, kind, shape, out.dtype.str, *facts.values(), context, site))
+
+        def describe() -> str:
+            call, _ = self.inner.call_for(kind, send, out, facts)
+            more = "".join(f", {k}={v}" for k, v in facts.items())
+            number = "" if twin is None else f" #{seq}"
+            at = f" at {site}" if site else ""
+            return f"{kind}({shape}:{out.dtype}{more}, {self.name}={call}){number}{context}{at}"
+
+        check_same_call(group, fp, describe)
 
     def _record(self, group: Group, kind: str, send: Any, out: Any, facts: dict[str, Any],
                 sent: int, recv: int, async_op: bool) -> None:
         """Step 5 (only called while a CommCounter is on)."""
         counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
 
-    def _enter(self, group: Group, kind: str, shared: Any, send: Any, out: Any, facts: dict[str, Any],
-               empty: bool) -> Handle | None:
+    def _enter(self, group: Group, kind: str, shape: Callable[[], tuple[int, ...]], send: Any, out: Any,
+               facts: dict[str, Any], empty: bool, nbytes: int) -> Handle | None:
         """Steps 2-4 (the caller did step 1): the finished handle when nothing moves, else None.
-        ``facts`` is :data:`_NO_FACTS` exactly when neither the debug check nor a counter is on
-        (the caller read both once)."""
+        ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a counter can be on
+        (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's group-wide shape and
+        payload bytes."""
         collective_starting()
-        if facts is not _NO_FACTS and spmd_debug():
-            self._check(group, kind, shared, send, out, facts)
-        return completed(out) if empty else None
+        twin = _TWINS.get(id(group.comm))
+        if facts is not _NO_FACTS and (spmd_debug() or (twin is not None and nbytes >= CHECK_FROM
+                                                         and spmd_check())):
+            self._check(group, kind, shape(), send, out, facts)
+        if empty:
+            return completed(out)
+        if twin is not None:
+            twin.seq += 1
+        return None
 
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle:
@@ -111,8 +128,10 @@ class Prologued:
                    async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        facts = {"axis": axis, "sizes": tuple(sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        if (done := self._enter(group, "all_gather", out, send, out, facts, out.size == 0)) is not None:
+        nbytes = out.nbytes
+        facts = {"axis": axis, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
+        if (done := self._enter(group, "all_gather", lambda: out.shape, send, out, facts, out.size == 0,
+                                nbytes)) is not None:
             return done
         if counter._active:
             self._record(group, "all_gather", send, out, facts, send.nbytes, out.nbytes - send.nbytes, async_op)
@@ -122,12 +141,15 @@ class Prologued:
                    concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
+        rows = send.shape[concat_axis]  # this rank's concat_sizes entry
+        nbytes = (send.nbytes // rows * sum(concat_sizes) if rows else
+                  out.itemsize * sum(split_sizes) * sum(concat_sizes) * _others(send.shape, split_axis, concat_axis))
         facts = {"split": split_axis, "concat": concat_axis, "split_sizes": tuple(split_sizes),
-                 "concat_sizes": tuple(concat_sizes)} if counter._active or spmd_debug() else _NO_FACTS
+                 "concat_sizes": tuple(concat_sizes)} if _wants_facts(nbytes) else _NO_FACTS
         # all ranks' blocks empty (a group-wide fact); a non-empty ``send`` already says no
-        empty = not send.size and not (sum(split_sizes) and sum(concat_sizes)
-                                       and _others(send.shape, split_axis, concat_axis))
-        if (done := self._enter(group, "all_to_all", None, send, out, facts, empty)) is not None:
+        empty = not send.size and not nbytes
+        if (done := self._enter(group, "all_to_all", lambda: _with(send.shape, concat_axis, sum(concat_sizes)),
+                                send, out, facts, empty, nbytes)) is not None:
             return done
         if counter._active:
             me = group.rank
@@ -141,8 +163,10 @@ class Prologued:
     def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        facts = {"op": reduce_op} if counter._active or spmd_debug() else _NO_FACTS
-        if (done := self._enter(group, "all_reduce", out, send, out, facts, out.size == 0)) is not None:
+        nbytes = out.nbytes
+        facts = {"op": reduce_op} if _wants_facts(nbytes) else _NO_FACTS
+        if (done := self._enter(group, "all_reduce", lambda: out.shape, send, out, facts, out.size == 0,
+                                nbytes)) is not None:
             return done
         if counter._active:
             self._record(group, "all_reduce", send, out, facts, send.nbytes, out.nbytes, async_op)
@@ -152,8 +176,10 @@ class Prologued:
                        reduce_op: str, async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        facts = {"axis": axis, "op": reduce_op, "sizes": tuple(sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        if (done := self._enter(group, "reduce_scatter", send, send, out, facts, send.size == 0)) is not None:
+        nbytes = send.nbytes
+        facts = {"axis": axis, "op": reduce_op, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
+        if (done := self._enter(group, "reduce_scatter", lambda: send.shape, send, out, facts, send.size == 0,
+                                nbytes)) is not None:
             return done
         if counter._active:
             self._record(group, "reduce_scatter", send, out, facts, send.nbytes - out.nbytes,
@@ -164,8 +190,10 @@ class Prologued:
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Handle:
         if group.size == 1:
             return completed(buf)
-        facts = {"root": root} if counter._active or spmd_debug() else _NO_FACTS
-        if (done := self._enter(group, "broadcast", buf, buf, buf, facts, buf.size == 0)) is not None:
+        nbytes = buf.nbytes
+        facts = {"root": root} if _wants_facts(nbytes) else _NO_FACTS
+        if (done := self._enter(group, "broadcast", lambda: buf.shape, buf, buf, facts, buf.size == 0,
+                                nbytes)) is not None:
             return done
         if counter._active:
             root_here = group.rank == root
@@ -178,9 +206,11 @@ class Prologued:
                 async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        facts = {"axis": axis, "root": root, "sizes": tuple(sizes)} if counter._active or spmd_debug() else _NO_FACTS
-        empty = not (sum(sizes) and _others(out.shape, axis))
-        if (done := self._enter(group, "scatter", None, send, out, facts, empty)) is not None:
+        nbytes = out.itemsize * sum(sizes) * _others(out.shape, axis)
+        facts = {"axis": axis, "root": root, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
+        empty = not nbytes
+        if (done := self._enter(group, "scatter", lambda: _with(out.shape, axis, sum(sizes)), send, out, facts,
+                                empty, nbytes)) is not None:
             return done
         if counter._active:
             root_here = group.rank == root

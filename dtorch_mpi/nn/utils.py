@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..comm import Group, backend_for
+from ..comm.divergence import call_context
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError, ShapeMismatchError
 from ..redistribute import array_namespace, compile_plan
@@ -100,13 +101,22 @@ def _xp_backend(bucket: _Bucket) -> tuple[Any, Any]:
     return array_namespace(mesh.device_type), backend_for(mesh.device_type)
 
 
+def _contents(bucket: _Bucket) -> str:
+    """What a packed bucket holds, in order (the divergence check compares it across ranks): each
+    parameter's global shape, dtype and placements, and its gradient's."""
+    return "bucket of " + ", ".join(f"{tuple(it.param.shape)}:{it.param.dtype}{list(it.param.placements)}"
+                                    f"<-{list(it.param.grad.placements)}"  # type: ignore[union-attr]
+                                    for it, _ in bucket.items)
+
+
 def _all_reduce_bucket(bucket: _Bucket) -> None:
     """One all-reduce of every piece of the bucket, flattened into one buffer."""
     xp, backend = _xp_backend(bucket)
     pieces = [it.piece for it, _ in bucket.items]
     flat = xp.concatenate([x.reshape(-1) for x in pieces]) if len(pieces) > 1 else pieces[0].reshape(-1)
     out = xp.empty_like(flat)
-    backend.all_reduce(bucket.group, flat, out, bucket.items[0][1].args[0]).wait()
+    with call_context(lambda: _contents(bucket)):
+        backend.all_reduce(bucket.group, flat, out, bucket.items[0][1].args[0]).wait()
     at = 0
     for (it, _), x in zip(bucket.items, pieces):
         it.piece = out[at : at + x.size].reshape(x.shape)
@@ -135,7 +145,8 @@ def _reduce_scatter_bucket(bucket: _Bucket) -> None:
             pack[at : at + block.size] = block.reshape(-1)
             at += block.size
     out = xp.empty(counts[me], dtype=pack.dtype)
-    backend.reduce_scatter(group, pack, out, 0, counts, bucket.items[0][1].args[2]).wait()
+    with call_context(lambda: _contents(bucket)):
+        backend.reduce_scatter(group, pack, out, 0, counts, bucket.items[0][1].args[2]).wait()
     at = 0
     for (it, _), (_, _, _, shape) in zip(bucket.items, views):
         n = math.prod(shape)
@@ -146,14 +157,27 @@ def _reduce_scatter_bucket(bucket: _Bucket) -> None:
 _RUNNERS = {"all_reduce": _all_reduce_bucket, "reduce_scatter": _reduce_scatter_bucket}
 
 
+def _reduced(norm_type: float) -> tuple[str, float]:
+    """The reduce op and identity of the rank-wise partial norms for ``norm_type``."""
+    if norm_type == math.inf:
+        return "max", 0.0
+    if norm_type == -math.inf:
+        return "min", math.inf
+    return "sum", 0.0
+
+
 def clip_grad_norm_(params: Iterable[DTensor], max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> float:
     """Scale every gradient in place so that their global ``norm_type``-norm is at most
     ``max_norm``; return the norm before clipping, as a float, on every rank.
 
-    One all-reduce of one number over the mesh: each rank adds its pieces' ``sum |g|^p``
-    (``max |g|`` for ``inf``), a replicated piece counted only at coordinate 0 of the mesh
-    dims it is replicated on. ``Partial`` gradients are refused (reduce them first).
+    As PyTorch: the total is the ``norm_type``-norm of the gradients' own norms, which for
+    every ``p`` other than 0 is the norm of all gradients as one vector (``inf``: the largest
+    magnitude, ``-inf``: the smallest, a negative ``p``: 0 where any entry is 0), and for
+    ``p = 0`` the number of gradients with a nonzero entry. One all-reduce over the mesh: each
+    rank's ``sum |g|^p`` (the max / min magnitude for ``±inf``; per-gradient nonzero counts for
+    0), a replicated piece counted only at coordinate 0 of the mesh dims it is replicated on.
+    ``Partial`` gradients are refused (reduce them first).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
@@ -168,26 +192,39 @@ def clip_grad_norm_(params: Iterable[DTensor], max_norm: float, norm_type: float
                 f"clip_grad_norm_: a gradient is {list(g.placements)}; Partial terms have no norm of "
                 f"their own: call dtorch.nn.utils.reduce_gradients(params) first")
     norm_type = float(norm_type)
-    infinite = math.isinf(norm_type)
+    op, identity = _reduced(norm_type)
     xp = array_namespace(mesh.device_type)
     coord = mesh.get_coordinate()
-    acc = xp.zeros(1, dtype=np.float64)
-    for g in grads:
+    acc = xp.full(len(grads) if norm_type == 0 else 1, identity, dtype=np.float64)
+    for i, g in enumerate(grads):
         x = g.to_local()
         owner = coord is not None and all(c == 0 for c, pl in zip(coord, g.placements) if pl.is_replicate())
         if not owner or x.size == 0:
             continue
         a = xp.abs(x.astype(np.float64, copy=False))
-        if infinite:
+        if op == "max":
             acc[0] = xp.maximum(acc[0], a.max())
+        elif op == "min":
+            acc[0] = xp.minimum(acc[0], a.min())
+        elif norm_type == 0:
+            acc[i] = xp.count_nonzero(a)
+        elif norm_type == 2.0:
+            acc[0] += xp.sum(a * a)
         else:
-            acc[0] += xp.sum(a * a) if norm_type == 2.0 else xp.sum(a ** norm_type)
+            with np.errstate(divide="ignore"):  # 0 ** negative p is inf: the norm is then 0
+                acc[0] += xp.sum(a ** norm_type)
     if coord is not None:
         out = xp.empty_like(acc)
-        backend_for(mesh.device_type).all_reduce(Group(mesh.get_comm(), None), acc, out,
-                                                 "max" if infinite else "sum").wait()
+        with call_context(lambda: f"clip_grad_norm_(norm_type={norm_type}, {len(grads)} gradients)"):
+            backend_for(mesh.device_type).all_reduce(Group(mesh.get_comm(), None), acc, out, op).wait()
         acc = out
-    total = float(acc[0]) if infinite else float(acc[0]) ** (1.0 / norm_type)
+    if norm_type == 0:
+        total = float(xp.count_nonzero(acc))
+    elif op != "sum":
+        total = float(acc[0])
+    else:
+        with np.errstate(divide="ignore"):
+            total = float(np.float64(acc[0]) ** (1.0 / norm_type))
     if error_if_nonfinite and not math.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}; "
                            f"pass error_if_nonfinite=False to clip anyway")

@@ -1,0 +1,34 @@
+"""Planted divergences the default check bounds by the deadline or by the call numbers, each on
+a fresh mesh (DTORCH_COLLECTIVE_TIMEOUT=2): every rank must raise, none may return data."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def test_a_large_call_meeting_a_small_one_times_out() -> None:
+    """The size rule differs by rank: rank 0 (64 KiB and more) checks, the others (small) do not;
+    rank 0 waits in its check, the others in a data call no one matches."""
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    big = dt.distribute_tensor(np.ones((2 * SIZE + 1, 4096)), mesh, [dt.Shard(0)])
+    small = dt.distribute_tensor(np.ones((2 * SIZE + 1, 3)), mesh, [dt.Shard(0)])
+    with pytest.raises(dt.CollectiveTimeoutError) as err:
+        (big if RANK == 0 else small).redistribute(placements=[dt.Replicate()])
+    print(f"rank {RANK} raised CollectiveTimeoutError: {str(err.value)[:80]}")
+
+
+def test_a_skipped_small_async_call_is_caught_by_the_call_number() -> None:
+    """Rank 0 starts a small call the others skip (nonblocking, unchecked), then every rank makes
+    the same large call: the numbers differ, so no rank gathers rank 0's small call's data."""
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    big = dt.distribute_tensor(np.ones((2 * SIZE + 1, 4096)), mesh, [dt.Shard(0)])
+    small = dt.distribute_tensor(np.ones((2 * SIZE + 1, 3)), mesh, [dt.Shard(0)])
+    if RANK == 0:
+        small.redistribute(placements=[dt.Replicate()], async_op=True)
+    with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+        big.redistribute(placements=[dt.Replicate()])
+    print(f"rank {RANK} raised SPMDDivergenceError: {str(err.value)[:80]}")

@@ -1,0 +1,160 @@
+"""Ranks that diverge never get silently wrong data (SPEC 5, issue 23 item 12).
+
+By default a divergent collective of 64 KiB or more raises ``SPMDDivergenceError`` on every rank
+(the calls' fingerprints meet on the communicator's check twin, comm/divergence.py); debug mode
+(``DTORCH_SPMD_DEBUG=1``) checks every collective, with the call site and a packed bucket's
+parameters. Where one side makes no checked call the deadline bounds it
+(harness_cases/case_divergence_deadline.py, launched at 3 ranks)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import RANK, SIZE
+from mpi4py import MPI
+from mpi_launch import child_env, mpiexec
+
+import dtorch_mpi as dt
+from dtorch_mpi.comm import prologue
+from dtorch_mpi.comm.divergence import CHECK_FROM
+from dtorch_mpi.nn import Parameter
+from dtorch_mpi.nn.utils import clip_grad_norm_, reduce_gradients
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+R, S0, S1 = dt.Replicate(), dt.Shard(0), dt.Shard(1)
+ranks = pytest.mark.skipif(SIZE == 1, reason="a divergence needs two ranks")
+BIG = (2 * SIZE + 1, 4096)  # float64: 5-9 x 32 KiB, uneven rows
+EDGE = (16, CHECK_FROM // 16 // 8)  # exactly 64 KiB of float64
+
+
+@pytest.fixture
+def debug() -> Iterator[None]:
+    from dtorch_mpi.comm import config
+
+    before = config.spmd_debug()
+    config.set_spmd_debug(True)
+    yield
+    config.set_spmd_debug(before)
+
+
+def _diverges(call: Callable[[], Any], *names: str) -> str:
+    """``call`` raises SPMDDivergenceError here (every rank asserts it: none returns data)."""
+    with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+        call()
+    text = str(err.value)
+    for name in names:
+        assert name in text, text
+    return text
+
+
+@ranks
+@pytest.mark.parametrize("shape", [BIG, EDGE], ids=["big", "64KiB"])
+def test_mismatched_redistributes_raise_by_default(mesh1d: dt.DeviceMesh, shape: tuple[int, int]) -> None:
+    """Rank 0 gathers, the others all-to-all the same tensor (issue 23's reproducer)."""
+    x = dt.distribute_tensor(np.ones(shape), mesh1d, [S0])
+    _diverges(lambda: x.redistribute(placements=[R] if RANK == 0 else [S1]), "all_gather", "all_to_all")
+    y = x.redistribute(placements=[R])  # nothing moved before the check: the group is still in step
+    assert np.array_equal(y.to_local(), np.ones(shape))
+
+
+@ranks
+def test_a_skipped_call_raises_at_the_next_one_by_default(mesh1d: dt.DeviceMesh) -> None:
+    """Rank 0 makes a gather the others skip: their next (correct) gather meets it and raises."""
+    x = dt.distribute_tensor(np.ones((2 * SIZE + 2, 4096)), mesh1d, [S0])
+    y = dt.distribute_tensor(np.ones(BIG), mesh1d, [S0])
+
+    def run() -> None:
+        if RANK == 0:
+            x.redistribute(placements=[R])
+        y.redistribute(placements=[R])
+
+    _diverges(run, str(BIG), str((2 * SIZE + 2, 4096)))
+
+
+@ranks
+def test_a_skipped_identical_call_raises_in_debug(mesh1d: dt.DeviceMesh, debug: None) -> None:
+    """Same shapes, so only the call site tells the calls apart: debug mode compares it."""
+    x = dt.distribute_tensor(np.ones((5, 3)), mesh1d, [S0])
+    y = dt.distribute_tensor(np.zeros((5, 3)), mesh1d, [S0])
+
+    def run() -> None:
+        if RANK == 0:
+            x.redistribute(placements=[R])
+        y.redistribute(placements=[R])
+
+    _diverges(run, "test_divergence.py:")
+
+
+@ranks
+@pytest.mark.parametrize("placements", [[R], [S1]], ids=["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("size", ["big", "small"])
+def test_reduce_gradients_in_another_order_raises(mesh1d: dt.DeviceMesh, request: pytest.FixtureRequest,
+                                                  placements: list[dt.Placement], size: str) -> None:
+    """One rank passes the parameters reversed: one bucket of the same total size, other contents
+    (raised by default from 64 KiB, in debug mode below)."""
+    if size == "small":
+        request.getfixturevalue("debug")
+    cols = 64 * SIZE + 1
+    shapes = [(64, cols), (40, cols), (24, cols)] if size == "big" else [(3, cols), (2, cols)]
+    params = []
+    for i, shape in enumerate(shapes):
+        p = Parameter(dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=placements))
+        p.grad = dt.DTensor.from_local(np.full(shape, float(i)), mesh1d, [dt.Partial()], shape=shape)
+        params.append(p)
+    assert (sum(math.prod(s) for s in shapes) * 8 >= CHECK_FROM) == (size == "big")
+    _diverges(lambda: reduce_gradients(reversed(params) if RANK == 0 else params), "bucket of")
+
+
+@ranks
+@pytest.mark.parametrize("norms", [(math.inf, 2.0), (1.0, 2.0)], ids=["max-vs-sum", "p1-vs-p2"])
+def test_clip_grad_norm_with_different_norm_types_raises_in_debug(mesh1d: dt.DeviceMesh, debug: None,
+                                                                   norms: tuple[float, float]) -> None:
+    p = Parameter(dt.zeros(2 * SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[S0]))
+    p.grad = dt.distribute_tensor(np.ones((2 * SIZE + 1, 3)), mesh1d, [S0])
+    _diverges(lambda: clip_grad_norm_([p], 1e9, norms[0] if RANK == 0 else norms[1]), "norm_type")
+
+
+@ranks
+def test_small_mismatched_redistributes_raise_in_debug(mesh1d: dt.DeviceMesh, debug: None) -> None:
+    x = dt.distribute_tensor(np.ones((2 * SIZE + 1, 3)), mesh1d, [S0])
+    _diverges(lambda: x.redistribute(placements=[R] if RANK == 0 else [S1]), "all_gather", "all_to_all")
+
+
+@ranks
+def test_the_default_check_runs_from_64_kib_only(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Below 64 KiB on every rank no check runs (it costs the count of the call only); from 64 KiB
+    every collective is checked once, on every rank alike (uneven pieces: the size is group-wide)."""
+    checks: list[int] = []
+    real = prologue.compare
+    monkeypatch.setattr(prologue, "compare", lambda *a: (checks.append(a[2]), real(*a))[1])
+    below = (16, EDGE[1] - 1)
+    for shape, want in ((below, 0), (EDGE, 1), (BIG, 1)):
+        x = dt.distribute_tensor(np.ones(shape), mesh1d, [S0])
+        checks.clear()
+        for dst in ([R], [S1]):
+            x.redistribute(placements=dst)
+        assert len(checks) == 2 * want, (shape, checks)
+    x = dt.distribute_tensor(np.ones(BIG), mesh2d, [S0, S1])  # a sub-mesh group has its own twin
+    checks.clear()
+    x.redistribute(placements=[R, R])
+    assert len(checks) == sum(n > 1 for n in mesh2d.shape), checks
+
+
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
+def test_divergences_without_a_meeting_check_end_at_the_deadline() -> None:
+    proc = mpiexec(3, os.path.join(HERE, "rank_wrapper.sh"), sys.executable, "-m", "pytest", "-q", "-s",
+                   "--color=no", "--with-mpi", "-p", "no:randomly",
+                   os.path.join(HERE, "harness_cases", "case_divergence_deadline.py"), timeout=120,
+                   env=child_env(DTORCH_TEST_ALL_OUTPUT="1", DTORCH_COLLECTIVE_TIMEOUT="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in range(3):
+        assert f"rank {rank} raised CollectiveTimeoutError" in out, out
+        assert f"rank {rank} raised SPMDDivergenceError" in out, out
