@@ -121,3 +121,14 @@ def test_mpi_is_finalized_only_after_the_progress_thread_stopped(program: str, e
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert out.count(ending) == 2 and "after finalizing" not in out and "mutex" not in out, out
+
+
+def test_the_poll_interval_stays_bounded_however_long_a_wait_lasts() -> None:
+    """A wait of minutes (tens of thousands of polls) keeps the interval at its cap: the doubling
+    used to overflow a float and end the progress thread."""
+    from dtorch_mpi.comm.progress import _MAX_INTERVAL, _interval_after
+
+    assert _interval_after(50e-6, 0) == 50e-6
+    assert _interval_after(50e-6, 64) == 100e-6
+    for polls in (10**3, 10**5, 10**7):
+        assert _interval_after(50e-6, polls) == _MAX_INTERVAL

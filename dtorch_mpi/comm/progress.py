@@ -56,6 +56,13 @@ def poll_interval() -> float:
     return micros * 1e-6
 
 
+def _interval_after(base: float, polls: int) -> float:
+    """The poll interval after ``polls`` polls: ``base`` doubled every ``_POLLS_PER_STEP``
+    polls, at most ``_MAX_INTERVAL``. The exponent is capped (``1 << n`` grows without bound: a
+    wait of minutes made a float overflow that killed the thread)."""
+    return min(base * (1 << min(polls // _POLLS_PER_STEP, 30)), _MAX_INTERVAL)
+
+
 class ProgressThread:
     """Polls MPI's progress engine while ``busy()`` says requests are in flight."""
 
@@ -81,7 +88,7 @@ class ProgressThread:
             while not self._stop and self._busy():
                 self._never.Test()
                 polls += 1
-                interval = min(self._interval * (1 << (polls // _POLLS_PER_STEP)), _MAX_INTERVAL)
+                interval = _interval_after(self._interval, polls)
                 if self._wake.wait(interval):  # a new request, or stop: back to the base interval
                     self._wake.clear()
                     polls = 0
