@@ -30,7 +30,7 @@ def _local(name: str, algebra: Algebra, kernel: Any, reference: Any, backward: B
 
 
 # --- kernels -------------------------------------------------------------------------------
-def erf(xp: Any, x: Any) -> Any:
+def erf_kernel(xp: Any, x: Any) -> Any:
     """The error function to double precision: libm's ``erf`` per element for NumPy (exact,
     about 0.1 us per element), ``cupyx.scipy.special.erf`` for CuPy."""
     if xp is np:
@@ -48,7 +48,7 @@ def gelu_kernel(xp: Any, x: Any, approximate: str = "none") -> Any:
     """PyTorch's GELU: ``x * Phi(x)`` (``"none"``, the erf form) or its tanh approximation."""
     x = _floating(x)
     if approximate == "none":
-        return 0.5 * x * (1 + erf(xp, x * SQRT_HALF))
+        return 0.5 * x * (1 + erf_kernel(xp, x * SQRT_HALF))
     return 0.5 * x * (1 + xp.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
 
 
@@ -84,7 +84,7 @@ def _gelu_grad(g: Any, x: Any, p: dict[str, Any], xp: Any) -> Any:
         inner = c * (x + 0.044715 * x * x * x)  # x ** 3 takes NumPy's slow pow path
         t = xp.tanh(inner)
         return g * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x))
-    cdf = 0.5 * (1 + erf(xp, x / math.sqrt(2)))  # the forward's erf (libm per element; cupyx on GPU)
+    cdf = 0.5 * (1 + erf_kernel(xp, x / math.sqrt(2)))  # the forward's erf (libm per element; cupyx on GPU)
     pdf = xp.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
     return g * (cdf + x * pdf)
 
