@@ -1,5 +1,5 @@
-"""Elementwise operators with kernels of their own: sigmoid, relu, silu, softplus, gelu (with
-the erf it needs) and clip/clamp. Each declaration holds the op's rule table, kernel, NumPy
+"""Elementwise operators with kernels of their own: sigmoid, relu, silu, softplus, erf, gelu
+and clip/clamp. Each declaration holds the op's rule table, kernel, NumPy
 reference and backward. nn/layers.py calls these kernels on plain arrays too.
 
 Kernels take ``(xp, x, **params)``; ``xp`` is the mesh's array library (NumPy or CuPy).
@@ -109,6 +109,9 @@ silu = unary(_local("silu", PLAIN, silu_kernel, lambda x: x / (1 + np.exp(-x)),
 softplus = unary(_local("softplus", PLAIN, softplus_kernel, lambda x: np.log1p(np.exp(x)),
                         grad_x("g sigmoid(x)", lambda g, x, xp: g * _sigmoid(xp, x))))
 
+erf = unary(_local("erf", MONOTONE, lambda xp, x: erf_kernel(xp, _floating(x)), np.vectorize(math.erf, otypes=[float]),
+                   grad_x("2 g exp(-x^2) / sqrt(pi)", lambda g, x, xp: g * (2 / math.sqrt(math.pi)) * xp.exp(-x * x))))
+
 
 def _gelu_reference(x: np.ndarray, approximate: str = "none") -> np.ndarray:
     if approximate == "tanh":
@@ -151,4 +154,4 @@ def clamp(x: DTensor, min: Any = None, max: Any = None) -> DTensor:
     return apply_elementwise(CLIP, (x,), {"lo": min, "hi": max})
 
 
-__all__ = ["clamp", "clip", "gelu", "relu", "sigmoid", "silu", "softplus"]
+__all__ = ["clamp", "clip", "erf", "gelu", "relu", "sigmoid", "silu", "softplus"]
