@@ -14,8 +14,7 @@ import numpy as np
 
 from ..dtensor import DTensor
 from .apply import apply_elementwise, spelling, unary
-from .backward import Backward
-from .elementwise import grad_x, grad_y
+from .backward import Backward, grad_x, grad_y
 from .planners import plan_elementwise
 from .registry import Op
 from .tables import MONOTONE, PLAIN, Algebra, unary_signature

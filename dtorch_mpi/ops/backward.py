@@ -57,9 +57,22 @@ def binary_grad(formula: str, fn: Callable[[Any, Any, Any, Any, Any], tuple[Any,
                                                   out, xp), inputs, output, formula)
 
 
-def zero_grad(g: Any, x: Any, out: Any, xp: Any) -> Any:
-    """The gradient of a piecewise-constant function (floor, sign, ...)."""
-    return xp.zeros_like(g)
+def grad_x(formula: str, fn: Callable[[Any, Any, Any], Any]) -> Backward:
+    """A unary backward ``fn(g, x, xp)`` of the input (the forward saves its input)."""
+    return unary_grad(formula, lambda g, x, y, xp: fn(g, x, xp))
 
 
-__all__ = ["Backward", "Kernel", "binary_grad", "unary_grad", "zero_grad"]
+def grad_y(formula: str, fn: Callable[[Any, Any, Any], Any]) -> Backward:
+    """A unary backward ``fn(g, y, xp)`` of the output (the forward saves only its output)."""
+    return unary_grad(formula, lambda g, x, y, xp: fn(g, y, xp), inputs=False, output=True)
+
+
+def grad_g(formula: str, fn: Callable[[Any, Any], Any]) -> Backward:
+    """A unary backward ``fn(g, xp)`` of the incoming gradient alone (the forward saves nothing)."""
+    return unary_grad(formula, lambda g, x, y, xp: fn(g, xp), inputs=False)
+
+
+ZERO = grad_g("0", lambda g, xp: xp.zeros_like(g))
+"""The backward of a piecewise-constant function (floor, sign, ...)."""
+
+__all__ = ["ZERO", "Backward", "Kernel", "binary_grad", "grad_g", "grad_x", "grad_y", "unary_grad"]

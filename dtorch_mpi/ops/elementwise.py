@@ -20,7 +20,7 @@ from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..placement import Partial
 from .apply import NO_PARAMS, apply_elementwise, binary, tensor_spec, unary
-from .backward import Backward, binary_grad, unary_grad, zero_grad
+from .backward import ZERO, Backward, binary_grad, grad_g, grad_x, grad_y
 from .planners import plan_elementwise
 from .registry import Op
 from .signature import P, R, Rule, Signature
@@ -56,22 +56,6 @@ def _binary(name: str, partial_rules: tuple[Rule, ...] = (), backward: Backward 
               reference=getattr(np, fn), backward=backward, **kw)
 
 
-def grad_x(formula: str, fn: Any) -> Backward:
-    """A unary backward ``fn(g, x, xp)`` of the input (saved by the forward)."""
-    return unary_grad(formula, lambda g, x, y, xp: fn(g, x, xp))
-
-
-def grad_y(formula: str, fn: Any) -> Backward:
-    """A unary backward ``fn(g, y, xp)`` of the output (only the output is saved)."""
-    return unary_grad(formula, lambda g, x, y, xp: fn(g, y, xp), inputs=False, output=True)
-
-
-def grad_g(formula: str, fn: Any) -> Backward:
-    """A unary backward ``fn(g, xp)`` of the gradient alone (nothing is saved)."""
-    return unary_grad(formula, lambda g, x, y, xp: fn(g, xp), inputs=False)
-
-
-ZERO = unary_grad("0", zero_grad, inputs=False)
 LN2, LN10 = math.log(2), math.log(10)
 
 # --- unary ---------------------------------------------------------------------------------
