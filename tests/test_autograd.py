@@ -112,6 +112,7 @@ UNARY_REF: dict[str, tuple[Callable[[np.ndarray], np.ndarray], float, float]] = 
     "floor": (np.floor, -2, 2), "ceil": (np.ceil, -2, 2), "trunc": (np.trunc, -2, 2),
     "rint": (np.rint, -2, 2), "sign": (np.sign, -2, 2), "clone": (lambda x: x.copy(), -2, 2),
 }
+UNARY_REF["erf"] = (np.vectorize(math.erf, otypes=[float]), -2, 2)
 UNARY_REF["gelu"] = (lambda x: 0.5 * x * (1 + np.vectorize(math.erf, otypes=[float])(x / np.sqrt(2))), -2, 2)
 
 

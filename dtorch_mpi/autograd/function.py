@@ -15,10 +15,10 @@ from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..placement import Partial, Placement, Replicate, Shard
 from .graph import attach
-from .kernels import Backward
 from .rules import DIFFERENTIABLE_PARTIALS, grad_placement, no_gradient
 
 if TYPE_CHECKING:
+    from ..ops.backward import Backward
     from ..ops.dispatch import OpPlan
     from ..spec import DTensorSpec
 

@@ -22,7 +22,7 @@ from .. import random as _random
 from ..dtensor import DTensor
 from ..errors import DTypeMismatchError
 from ..mesh import DeviceMesh, init_device_mesh
-from ..ops import kernels as K
+from ..ops import activations as K
 from ..placement import Replicate
 from ..redistribute import array_namespace
 from . import functional as F
@@ -89,7 +89,7 @@ class ReLU(Module):
     """max(x, 0) on DTensors and on plain local arrays (between parallel layers)."""
 
     def forward(self, x: Any) -> Any:
-        return x.relu() if isinstance(x, DTensor) else K.relu(_xp(x), x)
+        return x.relu() if isinstance(x, DTensor) else K.relu_kernel(_xp(x), x)
 
 
 class Sequential(Module):
@@ -179,7 +179,7 @@ class GELU(Module):
     def forward(self, x: Any) -> Any:
         if isinstance(x, DTensor):
             return F.gelu(x, self.approximate)
-        return K.gelu(_xp(x), x, self.approximate)
+        return K.gelu_kernel(_xp(x), x, self.approximate)
 
     def extra_repr(self) -> str:
         return f"approximate={self.approximate!r}"
@@ -189,7 +189,7 @@ class SiLU(Module):
     """``x * sigmoid(x)``."""
 
     def forward(self, x: Any) -> Any:
-        return F.silu(x) if isinstance(x, DTensor) else K.silu(_xp(x), x)
+        return F.silu(x) if isinstance(x, DTensor) else K.silu_kernel(_xp(x), x)
 
 
 class Dropout(Module):

@@ -1,5 +1,6 @@
-"""Operators: declarations (catalog), placement signatures (data), inference (metadata only),
-one plan cache and one application point (apply.finish), local kernels."""
+"""Operators: declarations by family (each op's rule table, kernel and backward in one module;
+``catalog`` gathers them), placement signatures (data), inference (metadata only), one plan
+cache and one application point (apply.finish)."""
 
 from __future__ import annotations
 

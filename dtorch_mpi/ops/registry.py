@@ -2,9 +2,9 @@
 
 An ``Op`` holds what defines an operator: its name, placement signature (rule table), local
 kernel, plan builder, the public functions and DTensor methods/operators that reach it, its
-NumPy reference, its docstring and a slot for its backward rule. The ``dtorch`` namespace,
-the DTensor methods, ``signature()``, docs/signatures.md and the generated tests are all
-derived from ``OPS``; declarations live in ``dtorch_mpi/ops/catalog.py``.
+NumPy reference, its docstring and its backward rule. The ``dtorch`` namespace, the DTensor
+methods, ``signature()``, docs/signatures.md and the generated tests are all derived from
+``OPS``; declarations live in the family modules gathered by ``dtorch_mpi/ops/catalog.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from .signature import Signature
 
 if TYPE_CHECKING:
     from ..spec import DTensorSpec
+    from .backward import Backward
     from .dispatch import OpPlan
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,9 +46,10 @@ class Op:
     examples: tuple[dict[str, Any], ...] = ({},)
     """Keyword parameters the generated tests call the op with."""
     doc: str = ""
-    backward: Any = None
-    """The backward rule (local gradient kernels and gradient placements per forward rule);
-    filled by the autograd layer. ``signature()`` and docs/signatures.md show it when set."""
+    backward: Backward | None = None
+    """The backward rule (local gradient kernel, what it saves, its formula; gradient placements
+    per forward rule follow from autograd/rules.py). ``signature()`` and docs/signatures.md
+    show it; None: not differentiable."""
     functions: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
     """Public ``dtorch`` functions that reach this op (name -> function)."""
     methods: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -79,7 +81,7 @@ class Op:
 
 
 OPS: dict[str, Op] = {}
-"""Every declared operator by name (filled by dtorch_mpi.ops.catalog)."""
+"""Every declared operator by name (filled by the family modules dtorch_mpi.ops.catalog gathers)."""
 
 def lookup(name: str) -> Op:
     """The operator a public name, method or operator (``"divide"``, ``"T"``, ``"__add__"``) reaches."""
