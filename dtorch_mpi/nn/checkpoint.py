@@ -100,7 +100,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     root = _recorded_root(out, after, fn)
     if root is None:
         return out
-    _, boundary = _subgraph(root, after)
+    recorded, boundary = _subgraph(root, after)
+    names = [n.name for n in recorded]  # what a faithful recompute records again
+    del recorded
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, DTensor)]
     versions = [(t, version_of(t)) for t in inputs]
     spec = out.spec
@@ -121,8 +123,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             _random.set_state(resume)
         again_root = _recorded_root(again, again_after, fn)
         nodes, again_boundary = ([], []) if again_root is None else _subgraph(again_root, again_after)
-        if (again_root is None or again.spec != spec or len(again_boundary) != len(boundary)
-                or any(a is not b for a, b in zip(again_boundary, boundary))):
+        if (again_root is None or again.spec != spec or [n.name for n in nodes] != names
+                or len(again_boundary) != len(boundary) or any(a is not b for a, b in zip(again_boundary, boundary))):
             raise RuntimeError(f"checkpoint backward: recomputing {name!r} recorded other operations than its "
                                f"forward did; a checkpointed function must compute the same way each time")
         with no_grad():
