@@ -138,7 +138,8 @@ def checkpoint_sequential(functions: Module | Sequence[Callable[..., Any]], segm
     """Run ``functions`` (a ``Sequential`` or a list of callables) on ``input`` in ``segments``
     consecutive segments of about equal length, each but the last under ``checkpoint`` (as
     torch's: the last segment's activations are needed at once by backward)."""
-    layers = list(functions._modules.values()) if isinstance(functions, Module) else list(functions)
+    layers: list[Callable[..., Any]] = (list(functions._modules.values()) if isinstance(functions, Module)
+                                        else list(functions))
     if segments < 1:
         raise ValueError(f"checkpoint_sequential: segments must be >= 1, got {segments}")
     size, extra = divmod(len(layers), segments)

@@ -26,7 +26,7 @@ from ..placement import Placement, normalize_placements
 from ..spec import DTensorSpec
 from .module import Parameter
 
-_SLOT = DTensor._local  # the slot that holds the piece (here: the recipe until it is made)
+_SLOT: Any = vars(DTensor)["_local"]  # the slot that holds the piece (here: the recipe until it is made)
 
 
 class _Recipe:
