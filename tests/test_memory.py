@@ -76,6 +76,24 @@ def test_styles_leave_pieces_that_own_their_bytes_and_the_replicated_values(
     check.done()
 
 
+def test_a_mixed_plan_leaves_only_owned_pieces(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """Embedding (vocab-parallel), Colwise, Rowwise and an untouched LayerNorm: every piece of
+    every parameter owns its bytes and equals the replicated model's."""
+    def build() -> nn.Module:
+        dt.manual_seed(2)
+        return nn.Sequential(nn.Embedding(2 * SIZE + 1, 6, device_mesh=mesh1d, dtype=np.float64),
+                             nn.Linear(6, SIZE + 2, device_mesh=mesh1d, dtype=np.float64), nn.GELU(),
+                             nn.Linear(SIZE + 2, 6, device_mesh=mesh1d, dtype=np.float64),
+                             nn.LayerNorm(6, device_mesh=mesh1d, dtype=np.float64))
+    want = {name: p.to_torch().copy() for name, p in build().named_parameters()}
+    model = nn.parallelize_module(build(), mesh1d, {"0": nn.RowwiseParallel(), "1": nn.ColwiseParallel(),
+                                                    "3": nn.RowwiseParallel()})
+    for name, p in model.named_parameters():
+        check.true(owns(p.to_local()), f"{name}: a view of a larger array")
+        check.equal(p.to_torch(), want[name], name)
+    check.done()
+
+
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_replicate_to_shard_copies_only_a_smaller_piece(dim: int, mesh1d: dt.DeviceMesh, check: Checker) -> None:
     for n in lengths_for(SIZE):
@@ -151,6 +169,8 @@ def test_building_and_sharding_holds_at_most_one_complete_parameter(mesh1d: dt.D
     def build() -> nn.Module:
         model = nn.Sequential(*(nn.Linear(width, width, device_mesh=mesh1d, dtype=np.float64) for _ in range(layers)))
         nn.parallelize_module(model, mesh1d, {"*": nn.ColwiseParallel()})
+        for p in model.parameters():
+            p.to_local()
         return model
 
     peak, model = _peak(build)
@@ -159,6 +179,7 @@ def test_building_and_sharding_holds_at_most_one_complete_parameter(mesh1d: dt.D
     held = sum(p.to_local().nbytes for p in model.parameters())
     goal = full / SIZE + one
     slack = 96 << 10  # modules, specs, closures
+    assert all(owns(p.to_local()) for p in model.parameters())
     assert peak <= goal + slack, f"peak {peak} bytes > model/N + one parameter {goal:.0f} (+{slack}); held {held}"
     assert held <= full / SIZE + (width * 8 if SIZE > 1 else 0) * layers + 1
 
