@@ -20,6 +20,7 @@ from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import array_namespace
+from .spec import DTensorSpec
 from .split import local_shape_and_offset, split_sizes
 from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
 
@@ -54,14 +55,34 @@ def _build(
 ) -> DTensor:
     plc = normalize_placements(placements, mesh.ndim, len(shape))
     spec = make_spec(mesh, plc, shape, dtype)
+    return DTensor(make_piece(spec, fill), spec)
+
+
+Fill = Callable[[tuple[int, ...], tuple[int, ...], Any], Any]
+"""``fill(local_shape, offset, xp)``: the values of a piece, from where it lies in the whole."""
+
+
+def make_piece(spec: DTensorSpec, fill: Fill) -> Any:
+    """This rank's piece of ``spec`` made by ``fill`` (only the piece is allocated; a Partial
+    piece off coordinate 0 holds the reduce op's identity instead)."""
     local_shape, offset = spec.local_shape_and_offset
-    xp = array_namespace(mesh.device_type)
-    op = _partial_fill(mesh, plc)
+    xp = array_namespace(spec.mesh.device_type)
+    op = _partial_fill(spec.mesh, spec.placements)
     if op is None:
-        local = fill(local_shape, offset, xp)
-    else:
-        local = xp.full(local_shape, identity_value(dtype, op), dtype=dtype)
-    return DTensor(local, spec)
+        return fill(local_shape, offset, xp)
+    return xp.full(local_shape, identity_value(spec.dtype, op), dtype=spec.dtype)
+
+
+def random_fill(kind: str, shape: tuple[int, ...], dtype: Any, mesh: DeviceMesh) -> Fill:
+    """The fill of the next ``rand`` (``kind="rand"``) or ``randn`` call of ``shape``: its key is
+    drawn now, as the factory call would draw it, so a piece made later, in any placements,
+    has the values that call would have given (a deferred parameter: nn/deferred.py)."""
+    dt = check_dtype(DEFAULT_DTYPE if dtype is None else dtype)
+    _require_float(dt, kind)
+    dims = checked_shape(shape)
+    key = _random_key(mesh, kind)
+    draw = {"rand": _random.uniform, "randn": _random.normal}[kind]
+    return lambda s, o, xp: draw(key, dims, s, o, dt, xp)
 
 
 def _factory_args(dtype: Any, device_mesh: DeviceMesh | None, placements: Any) -> tuple[np.dtype, DeviceMesh, Any]:

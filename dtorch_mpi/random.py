@@ -49,6 +49,13 @@ def state() -> tuple[int, int]:
     return _seed, _calls
 
 
+def set_state(state: tuple[int, int]) -> None:
+    """Put the generator back at ``state`` (a ``state()``): the next calls draw the keys drawn
+    from there before (activation checkpointing replays a forward's dropout masks)."""
+    global _seed, _calls
+    _seed, _calls = int(state[0]) & _MASK, int(state[1])
+
+
 def next_key() -> int:
     """The key of the next random call (advances the call counter)."""
     global _calls

@@ -13,19 +13,21 @@ between them.
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
 from .. import factory
 from .. import random as _random
-from ..dtensor import DTensor
+from ..dtensor import DTensor, checked_shape, make_spec
+from ..dtypes import check_dtype
 from ..errors import DTypeMismatchError
 from ..mesh import DeviceMesh, init_device_mesh
 from ..ops import activations as K
 from ..placement import Replicate
 from ..redistribute import array_namespace
 from . import functional as F
+from .deferred import deferred_parameter
 from .functional import linear
 from .module import Module, Parameter
 
@@ -42,9 +44,25 @@ def default_mesh() -> DeviceMesh:
     return _default_mesh
 
 
+def _deferred(shape: tuple[int, ...], mesh: DeviceMesh, dtype: Any, fill: factory.Fill) -> Parameter:
+    """A replicated parameter whose pieces are made when first needed, in the placements known
+    by then (nn/deferred.py): building a model allocates nothing, sharding it only the shards."""
+    spec = make_spec(mesh, (Replicate(),) * mesh.ndim, checked_shape(shape), check_dtype(dtype))
+    return deferred_parameter(spec, fill)
+
+
 def _uniform(shape: tuple[int, ...], bound: float, mesh: DeviceMesh, dtype: Any) -> Parameter:
-    u = factory.rand(*shape, dtype=dtype, device_mesh=mesh, placements=[Replicate()] * mesh.ndim)
-    return Parameter(cast(DTensor, u * (2 * bound) - bound))
+    """Uniform in ±bound: ``rand * (2 * bound) - bound`` of the sharding-invariant RNG (the key
+    is drawn now, in construction order; the values are made per piece, in place)."""
+    draw = factory.random_fill("rand", shape, dtype, mesh)
+
+    def fill(s: tuple[int, ...], o: tuple[int, ...], xp: Any) -> Any:
+        u = draw(s, o, xp)
+        xp.multiply(u, 2 * bound, out=u)
+        xp.subtract(u, bound, out=u)
+        return u
+
+    return _deferred(shape, mesh, dtype, fill)
 
 
 def lift(x: Any, mesh: DeviceMesh) -> DTensor:
@@ -118,9 +136,9 @@ class LayerNorm(Module):
         super().__init__()
         mesh = device_mesh or default_mesh()
         self.normalized_shape, self.eps = normalized_shape, eps
-        rep = [Replicate()] * mesh.ndim
-        self.weight = Parameter(factory.ones(normalized_shape, dtype=dtype, device_mesh=mesh, placements=rep))
-        self.bias = Parameter(factory.zeros(normalized_shape, dtype=dtype, device_mesh=mesh, placements=rep))
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.weight = _replicated(_ones, shape, mesh, dtype)
+        self.bias = _replicated(_zeros, shape, mesh, dtype)
 
     def forward(self, x: Any) -> DTensor:
         return F.layer_norm(lift(x, self.weight.device_mesh), self.normalized_shape, self.weight, self.bias, self.eps)
@@ -129,8 +147,22 @@ class LayerNorm(Module):
         return f"{self.normalized_shape}, eps={self.eps}"
 
 
-def _replicated(make: Any, shape: tuple[int, ...], mesh: DeviceMesh, dtype: Any) -> Parameter:
-    return Parameter(make(*shape, dtype=dtype, device_mesh=mesh, placements=[Replicate()] * mesh.ndim))
+def _ones(shape: tuple[int, ...], mesh: DeviceMesh, dtype: Any) -> factory.Fill:
+    return lambda s, o, xp: xp.ones(s, dtype=dtype)
+
+
+def _zeros(shape: tuple[int, ...], mesh: DeviceMesh, dtype: Any) -> factory.Fill:
+    return lambda s, o, xp: xp.zeros(s, dtype=dtype)
+
+
+def _normal(shape: tuple[int, ...], mesh: DeviceMesh, dtype: Any) -> factory.Fill:
+    return factory.random_fill("randn", shape, dtype, mesh)
+
+
+def _replicated(fill: Any, shape: tuple[int, ...], mesh: DeviceMesh, dtype: Any) -> Parameter:
+    """A deferred replicated parameter filled by ``fill(shape, mesh, dtype)``'s fill."""
+    dt = check_dtype(dtype)
+    return _deferred(shape, mesh, dt, fill(shape, mesh, dt))
 
 
 class RMSNorm(Module):
@@ -141,7 +173,7 @@ class RMSNorm(Module):
                  dtype: Any = np.float32) -> None:
         super().__init__()
         self.dim, self.eps = dim, eps
-        self.weight = _replicated(factory.ones, (dim,), device_mesh or default_mesh(), dtype)
+        self.weight = _replicated(_ones, (dim,), device_mesh or default_mesh(), dtype)
 
     def forward(self, x: Any) -> DTensor:
         return F.rms_norm(lift(x, self.weight.device_mesh), self.weight, self.eps)
@@ -160,7 +192,7 @@ class Embedding(Module):
                  dtype: Any = np.float32) -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.weight = _replicated(factory.randn, (num_embeddings, embedding_dim), device_mesh or default_mesh(), dtype)
+        self.weight = _replicated(_normal, (num_embeddings, embedding_dim), device_mesh or default_mesh(), dtype)
 
     def forward(self, index: Any) -> DTensor:
         return F.embedding(index, self.weight)

@@ -19,8 +19,6 @@ from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
-import numpy as np
-
 from ..autograd.grad_mode import is_grad_enabled
 from ..dtensor import DTensor
 from ..errors import ShapeMismatchError
@@ -29,6 +27,7 @@ from ..placement import Placement, Replicate, Shard
 from ..split import local_shape_and_offset
 from ..spmd import agreed
 from . import functional as F
+from .deferred import materialize
 from .layers import Embedding, Linear
 from .module import Module, Parameter
 
@@ -47,11 +46,11 @@ class ParallelStyle:
 
 
 def _shard_param(param: Parameter | None, placement: Placement) -> None:
-    if param is None:
-        return
-    moved = param.redistribute(placements=[placement])
-    param._replace(np.ascontiguousarray(moved.to_local()) if isinstance(moved.to_local(), np.ndarray)
-                   else moved.to_local().copy(), moved.spec)
+    """Put ``param`` in ``placement``, its piece in an allocation of its own: a deferred
+    parameter makes only its shard (no complete value on any rank), one with values is
+    sliced and copied (nn/deferred.py)."""
+    if param is not None:
+        materialize(param, [placement])
 
 
 def _as_input(x: Any, layout: Placement, mesh: DeviceMesh, in_features: int, style: str) -> DTensor:

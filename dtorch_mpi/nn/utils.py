@@ -17,6 +17,7 @@ from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError, ShapeMismatchError
 from ..redistribute import array_namespace, compile_plan
 from ..redistribute.executor import CompiledStep, run_compiled_step
+from .checkpoint import apply_activation_checkpointing, checkpoint, checkpoint_module, checkpoint_sequential  # noqa: F401
 
 BUCKET_BYTES = 25 << 20
 """Bucket capacity (DDP's default 25 MB), counted on global tensor sizes so that every rank

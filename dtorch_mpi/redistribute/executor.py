@@ -92,11 +92,23 @@ def _collective(kind: StepKind) -> Callable[[CompiledStep, Any, Any, Backend, bo
     return run
 
 
+def _cut(step: CompiledStep, x: Any, xp: Any) -> Any:
+    """The piece a Replicate -> Shard step keeps, in a buffer of its own when it is smaller than
+    ``x``: a view would keep the whole of ``x`` alive (a sharded parameter would hold the
+    complete one). The whole of ``x`` is ``x`` itself (nothing to copy)."""
+    index, smaller = step.args
+    if not smaller:
+        return x
+    out = step.empty()
+    out[...] = x[index]
+    return out
+
+
 _STEPS: dict[StepKind, _StepRule] = {
     StepKind.SLICE: _StepRule(
         lambda src, dst, shape, out, m, me: (
-            (slice(None),) * dst.dim + (slice(*_bounds(split_range(shape[dst.dim], m, me))),),),
-        lambda step, x, xp, backend, async_op: completed(x[step.args[0]])),
+            (slice(None),) * dst.dim + (slice(*_bounds(split_range(shape[dst.dim], m, me))),), out != shape),
+        lambda step, x, xp, backend, async_op: completed(_cut(step, x, xp))),
     StepKind.TO_PARTIAL: _StepRule(  # the value at coordinate 0, the op's zero elsewhere for sum
         lambda src, dst, shape, out, m, me: (dst.reduce_op == "sum" and me != 0,),
         lambda step, x, xp, backend, async_op: completed(xp.zeros_like(x) if step.args[0] else x)),
