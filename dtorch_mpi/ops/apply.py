@@ -129,7 +129,7 @@ def _prepared(x: Any, spec: DTensorSpec | None, steps: Any) -> Any:
     if spec is None:
         return x
     local = x._local if x._pending is None else x.to_local()
-    return local if steps is None else run_compiled(local, steps)
+    return local if steps is None else run_compiled(local, steps, operand=True)
 
 
 def _check_params(op: Op, params: Mapping[str, Any]) -> None:
@@ -185,13 +185,13 @@ def binary(op: Op, *methods: str, reflected: tuple[str, ...] = (), inplace: tupl
         if sa is not None:
             la = a._local if a._pending is None else a.to_local()  # type: ignore[union-attr]
             if pa is not None:
-                la = run_compiled(la, pa)
+                la = run_compiled(la, pa, operand=True)
         else:
             la = a
         if sb is not None:
             lb = b._local if b._pending is None else b.to_local()  # type: ignore[union-attr]
             if pb is not None:
-                lb = run_compiled(lb, pb)
+                lb = run_compiled(lb, pb, operand=True)
         else:
             lb = b
         return finish(op, plan, (a, b), (la, lb), plan.kernel(la, lb), NO_PARAMS)

@@ -170,8 +170,13 @@ def run_compiled_step(step: CompiledStep, x: Any, xp: Any, backend: Backend, asy
     return step.run(step, x, xp, backend, async_op)
 
 
-def run_compiled(x: Any, plan: CompiledPlan) -> Any:
-    """Run a compiled plan with blocking collectives; return the new local piece."""
+def run_compiled(x: Any, plan: CompiledPlan, *, operand: bool = False) -> Any:
+    """Run a compiled plan with blocking collectives; return the new local piece.
+
+    ``operand=True``: the piece is an operator's transient input (a Replicate operand cut to
+    the other operand's Shard), dropped once the kernel ran, while its source stays alive with
+    its DTensor: a local cut is then a view (no copy; the owned-bytes rule is for pieces that
+    outlive the call, a redistribute's result)."""
     steps = plan.steps
     if not steps:
         return x
@@ -179,7 +184,10 @@ def run_compiled(x: Any, plan: CompiledPlan) -> Any:
     mesh._check_alive()  # a plan compiled before the mesh was freed
     xp, backend = plan.xp, backend_for(mesh.device_type)
     for step in steps:
-        x = step.run(step, x, xp, backend, False).wait()
+        if operand and step.kind is StepKind.SLICE:
+            x = x[step.args[0]]
+        else:
+            x = step.run(step, x, xp, backend, False).wait()
     return x
 
 
