@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, Checker
+from conftest import CUDA_ID, RANK, SIZE, Checker
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import Group, gpu
@@ -23,7 +23,7 @@ try:
 except Exception:
     HAVE_GPU = False
 
-BACKENDS = ["cpu"] + (["cuda"] if HAVE_GPU else [])
+BACKENDS = [pytest.param("cpu", id="cpu")] + ([pytest.param("cuda", id=CUDA_ID)] if HAVE_GPU else [])
 
 
 def test_backend_selection() -> None:
