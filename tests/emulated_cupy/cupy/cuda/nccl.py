@@ -191,6 +191,7 @@ class _Op:
         if done:
             self.finished = True
             self.complete()
+            self.keep = ()
         return self.finished
 
 
@@ -219,8 +220,11 @@ class _Collective(_Op):
             send_n = 0 if kind == "broadcast" else send_n
         if kind == "reduce" and comm._rank != root:
             recv_n = 0
-        self.send = memory.resolve(send, send_n * item, f"{kind} send buffer")[0] if send_n else None
-        self.recv = memory.resolve(recv, recv_n * item, f"{kind} receive buffer")[0] if recv_n else None
+        # the allocations stay alive until the operation ends (CuPy's pool reuses a freed block
+        # only for work queued after it on the stream; here host code would reuse it at once)
+        self.send, owner_s = memory.resolve(send, send_n * item, f"{kind} send buffer") if send_n else (None, None)
+        self.recv, owner_r = memory.resolve(recv, recv_n * item, f"{kind} receive buffer") if recv_n else (None, None)
+        self.keep = (owner_s, owner_r)
         self.send_ptr, self.recv_ptr = int(send), int(recv)
         self.meta = np.array([_KINDS.index(kind), count, dtype, op, root], dtype=np.int64)
         self.metas = np.empty((m, self.meta.size), dtype=np.int64)
@@ -281,8 +285,9 @@ class _PointToPoint(_Op):
             dt = _element(dtype)
             if not 0 <= peer < comm._size:
                 raise NcclError(NCCL_INVALID_ARGUMENT, f"{kind}: peer {peer} is not a rank of {comm._size}")
-            buf = memory.resolve(ptr, int(count) * dt.itemsize, f"{kind} buffer")[0]
+            buf, owner = memory.resolve(ptr, int(count) * dt.itemsize, f"{kind} buffer")
             self.calls.append((kind, buf, int(count) * dt.itemsize, peer))
+            self.keep += (owner,)
         self.statuses: list[MPI.Status] = []
 
     def start(self) -> None:
@@ -303,7 +308,7 @@ class _PointToPoint(_Op):
                                                     f"({e.Get_error_string()})") from None
             if not done:
                 return False
-            self.finished = True
+            self.finished, self.keep = True, ()
             for (kind, _, nbytes, peer), st in zip(self.calls, statuses):
                 if kind == "recv" and st.Get_count(MPI.BYTE) != nbytes:
                     raise NcclError(NCCL_INVALID_USAGE, f"{self.comm._name}: recv of {nbytes} bytes from rank "
