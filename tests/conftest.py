@@ -159,7 +159,7 @@ if DEVICE == "emulated":  # the test double of a GPU (tests/emulated_cupy), impo
     if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "EMULATED", False):
         raise RuntimeError("--device emulated: the real CuPy is imported already")
     sys.path.insert(0, EMULATED_CUPY)
-    import cupy as _emulated  # noqa: E402
+    import cupy as _emulated
 
     assert _emulated.EMULATED, _emulated.__file__
 

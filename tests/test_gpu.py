@@ -178,3 +178,129 @@ def test_backend_facts_are_agreed_across_ranks() -> None:
     if SIZE > 1:
         with pytest.raises(ValueError, match="differs between ranks"):
             gpu.agreed_facts(MPI.COMM_WORLD, "nccl" if RANK else "auto", True, 1, 1, False)
+
+
+# --- the device's own backends (a real GPU, or the emulated device: tests/emulated_cupy) -------
+EMULATED = HAVE_GPU and getattr(cupy, "EMULATED", False)
+needs_device = pytest.mark.skipif(not HAVE_GPU, reason="needs CuPy with a device (a GPU or --device emulated)")
+needs_peers = pytest.mark.skipif(SIZE == 1, reason="NCCL's collectives need two ranks")
+
+
+@needs_device
+def test_the_requested_backend_is_the_one_running(any_mesh: dt.DeviceMesh) -> None:
+    """A per-backend run (DTORCH_GPU_BACKEND=...) really runs that backend on cuda meshes."""
+    import os
+
+    from dtorch_mpi.comm import backend_for
+
+    want = os.environ.get("DTORCH_GPU_BACKEND", "auto")
+    got = backend_for(any_mesh.device_type).inner.name
+    assert got == ("mpi" if any_mesh.device_type == "cpu" else want) or want == "auto", got
+
+
+def nccl_group() -> tuple[Any, gpu.NCCLBackend, Group]:
+    """A fresh communicator over the world and the NCCL backend object itself (no prologue, so
+    every call reaches NCCL; a rank's own device first, as NCCL needs)."""
+    from mpi4py import MPI
+
+    if cupy.cuda.runtime.getDeviceCount() < SIZE:
+        pytest.skip("NCCL needs one device per rank")
+    cupy.cuda.Device(RANK).use()
+    comm = MPI.COMM_WORLD.Dup()
+    backend, group = gpu.NCCLBackend(), Group(comm, 0)
+    backend._nccl(group)  # the NCCL communicator, made by every rank together
+    return comm, backend, group
+
+
+@needs_device
+@needs_peers
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_nccl_max_min_keep_nan_as_numpy(op: str, check: Checker) -> None:
+    """NCCL's max/min may drop NaN (the emulated NCCL does): the backend's NaN pass restores
+    NumPy's result, for all_reduce and reduce_scatter, uneven blocks included."""
+    comm, nccl, group = nccl_group()
+    n = 2 * SIZE + 1
+    pieces = [np.arange(n * 2, dtype=np.float32).reshape(n, 2) * (r + 1) for r in range(SIZE)]
+    for r, p in enumerate(pieces):
+        p[r % n, r % 2] = np.nan
+    want = getattr(np, op)(np.stack(pieces), axis=0)
+    out = cupy.empty((n, 2), np.float32)
+    check.equal(nccl.all_reduce(group, cupy.asarray(pieces[RANK]), out, op).wait(), want, f"all_reduce {op}")
+    sizes = dt.split.split_sizes(n, SIZE)
+    off = sum(sizes[:RANK])
+    mine = cupy.empty((sizes[RANK], 2), np.float32)
+    check.equal(nccl.reduce_scatter(group, cupy.asarray(pieces[RANK]), mine, 0, sizes, op).wait(),
+                want[off : off + sizes[RANK]], f"reduce_scatter {op}")
+    comm.Free()
+    check.done()
+
+
+@needs_device
+@needs_peers
+def test_nccl_is_nonblocking_and_bounded_by_the_deadline() -> None:
+    """async_op=True returns before the peers have joined (done() is False until they do); a
+    collective one rank never joins raises CollectiveTimeoutError within the deadline on the
+    rank waiting, and aborts the NCCL communicator (ncclCommAbort)."""
+    import time
+
+    from mpi4py import MPI
+
+    from dtorch_mpi.comm import deadline
+
+    comm, nccl, group = nccl_group()
+    x = cupy.asarray(np.full(5, RANK + 1.0))
+    out = cupy.empty(5)
+    pending = False
+    if RANK == 0:
+        handle = nccl.all_reduce(group, x, out, "sum", async_op=True)
+        pending = handle.done()  # the other ranks make the call only after the barrier
+    MPI.COMM_WORLD.Barrier()
+    if RANK != 0:
+        handle = nccl.all_reduce(group, x, out, "sum", async_op=True)
+    got = handle.wait()
+    assert not pending, "an NCCL collective reported done before every rank made it"
+    assert np.array_equal(cupy.asnumpy(got), np.full(5, SIZE * (SIZE + 1) / 2))
+    before = deadline.collective_timeout()
+    deadline.set_collective_timeout(0.5)
+    try:
+        if RANK == 0:  # the others never make this call
+            start = time.monotonic()
+            with pytest.raises(dt.CollectiveTimeoutError, match="NCCL allReduce"):
+                nccl.all_reduce(group, x, out, "sum").wait()
+            assert time.monotonic() - start < 10, "the timeout was not bounded"
+            if EMULATED:
+                assert nccl._nccl(group).aborted, "the timed-out NCCL communicator was not aborted"
+    finally:
+        deadline.set_collective_timeout(before)
+        MPI.COMM_WORLD.Barrier()
+        comm.Free()
+
+
+@pytest.mark.skipif(not EMULATED, reason="checks the emulated device itself (the test double)")
+@needs_peers
+def test_emulated_nccl_refuses_what_nccl_would() -> None:
+    """The test double fails loudly where NCCL would refuse or corrupt: counts that differ across
+    ranks (on every rank), an unknown pointer, a count past the buffer, a type NCCL lacks, two
+    ranks on one device."""
+    from cupy.cuda import nccl as emulated
+
+    comm, _, group = nccl_group()
+    raw = gpu.NCCLBackend()._nccl(group)
+    stream = cupy.cuda.get_current_stream()
+    a = cupy.zeros(4 + RANK, np.float32)
+    raw.allReduce(a.data.ptr, a.data.ptr, a.size, emulated.NCCL_FLOAT32, emulated.NCCL_SUM, stream.ptr)
+    with pytest.raises(emulated.NcclError, match="different calls"):
+        stream.synchronize()
+    host = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="not a device pointer"):
+        raw.allReduce(host.ctypes.data, host.ctypes.data, 4, emulated.NCCL_FLOAT32, emulated.NCCL_SUM, stream.ptr)
+    with pytest.raises(ValueError, match="past its allocation"):
+        raw.allReduce(a.data.ptr, a.data.ptr, 64, emulated.NCCL_FLOAT32, emulated.NCCL_SUM, stream.ptr)
+    with pytest.raises(emulated.NcclError, match="not an NCCL type"):
+        raw.allReduce(a.data.ptr, a.data.ptr, 1, 42, emulated.NCCL_SUM, stream.ptr)
+    cupy.cuda.Device(0).use()  # every rank on device 0
+    uid = comm.bcast(emulated.get_unique_id() if RANK == 0 else None, root=0)
+    with pytest.raises(emulated.NcclError, match="same device"):
+        emulated.NcclCommunicator(SIZE, uid, RANK)
+    cupy.cuda.Device(RANK).use()
+    comm.Free()

@@ -76,7 +76,7 @@ def _device_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], strict:
     return _wrap(r)
 
 
-class ndarray(NDArrayOperatorsMixin):  # noqa: N801 (CuPy's name)
+class ndarray(NDArrayOperatorsMixin):
     """A device array of the emulated device (NumPy memory underneath)."""
 
     __slots__ = ("_a", "__weakref__")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
+
 import numpy as np
 
 _ALLOCATIONS: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()

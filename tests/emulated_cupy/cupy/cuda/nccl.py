@@ -126,12 +126,12 @@ _group_depth = 0
 _held: list[tuple["NcclCommunicator", str, tuple[Any, ...], int]] = []
 
 
-def groupStart() -> None:  # noqa: N802 (CuPy's name)
+def groupStart() -> None:
     global _group_depth
     _group_depth += 1
 
 
-def groupEnd() -> None:  # noqa: N802
+def groupEnd() -> None:
     global _group_depth
     if _group_depth == 0:
         raise NcclError(NCCL_INVALID_USAGE, "groupEnd() without groupStart()")
@@ -321,7 +321,7 @@ class _PointToPoint(_Op):
 class NcclCommunicator:
     """``NcclCommunicator(ndev, commId, rank)``: collective over the ``ndev`` members."""
 
-    def __init__(self, ndev: int, commId: Any, rank: int) -> None:  # noqa: N803 (CuPy's names)
+    def __init__(self, ndev: int, commId: Any, rank: int) -> None:
         creator, serial = _parse_uid(commId)
         tag = _TAG_BASE + serial % 4096
         me = (_WORLD.Get_rank(), int(rank), int(ndev), socket.gethostname(), current_device_id())
@@ -379,14 +379,14 @@ class NcclCommunicator:
             self._enqueue(_Collective(self, kind, *args), ptr)
 
     # CuPy's signatures
-    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: Any) -> None:  # noqa: N802
+    def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: Any) -> None:
         self._call("allReduce", (sendbuf, recvbuf, count, datatype, op, 0), stream)
 
-    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int,  # noqa: N802
+    def reduceScatter(self, sendbuf: int, recvbuf: int, recvcount: int, datatype: int, op: int,
                       stream: Any) -> None:
         self._call("reduceScatter", (sendbuf, recvbuf, recvcount, datatype, op, 0), stream)
 
-    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: Any) -> None:  # noqa: N802
+    def allGather(self, sendbuf: int, recvbuf: int, count: int, datatype: int, stream: Any) -> None:
         self._call("allGather", (sendbuf, recvbuf, count, datatype, NCCL_SUM, 0), stream)
 
     def bcast(self, buff: int, count: int, datatype: int, root: int, stream: Any) -> None:
@@ -414,7 +414,7 @@ class NcclCommunicator:
     def device_id(self) -> int:
         return self._device
 
-    def getAsyncError(self) -> int:  # noqa: N802
+    def getAsyncError(self) -> int:
         return 0
 
     def abort(self) -> None:
@@ -433,7 +433,7 @@ class NcclCommunicator:
             self._data.Free()
 
     @staticmethod
-    def initAll(devices: Any) -> list["NcclCommunicator"]:  # noqa: N802
+    def initAll(devices: Any) -> list["NcclCommunicator"]:
         raise NotImplementedError("emulated NCCL: initAll (one process, several devices) is not emulated")
 
 
@@ -446,7 +446,7 @@ def _check_members(members: list[tuple[int, int, int, str, int]], ndev: int) -> 
     if ranks != list(range(ndev)):
         return False, f"ncclCommInitRank: ranks {ranks} are not 0..{ndev - 1} once each"
     seen: dict[tuple[str, int], int] = {}
-    for world, rank, _, host, device in members:
+    for _world, rank, _, host, device in members:
         if (host, device) in seen:
             return False, (f"ncclCommInitRank: ranks {seen[(host, device)]} and {rank} use the same device "
                            f"{device} on {host} (ncclInvalidUsage: duplicate GPU)")

@@ -11,7 +11,7 @@ class CUDARuntimeError(RuntimeError):
     pass
 
 
-def getDeviceCount() -> int:  # noqa: N802 (CuPy's name)
+def getDeviceCount() -> int:
     raw = os.environ.get("DTORCH_EMULATED_GPUS")
     if raw:
         return int(raw)
@@ -20,13 +20,13 @@ def getDeviceCount() -> int:  # noqa: N802 (CuPy's name)
     return MPI.COMM_WORLD.Get_size()
 
 
-def getDevice() -> int:  # noqa: N802
+def getDevice() -> int:
     from . import current_device_id
 
     return current_device_id()
 
 
-def deviceSynchronize() -> None:  # noqa: N802
+def deviceSynchronize() -> None:
     from . import Device
 
     Device().synchronize()
