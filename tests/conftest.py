@@ -172,6 +172,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "device: runs in a --device pass too (a test of the GPU path itself)")
     if config.getoption("device") != DEVICE and "DTORCH_TEST_DEVICE" not in os.environ:
         raise pytest.UsageError(f"--device {config.getoption('device')!r} was not seen at import ({DEVICE!r})")
     if DEVICE == "cuda" and not HAVE_GPU:
@@ -179,14 +180,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With a device chosen, only the device-array cases run (the CPU pass runs the NumPy ones)."""
+    """With a device chosen, only the device-array cases and the ``device``-marked tests run (the
+    CPU pass runs everything else)."""
     if DEVICE == "auto":
         return
     keep, drop = [], []
     for item in items:
         params = getattr(item, "callspec", None)
-        host = params is not None and any(params.params.get(f) == "cpu" for f in DEVICE_PARAMETRISED)
-        (drop if host else keep).append(item)
+        on_device = params is not None and any(params.params.get(f) == "cuda" for f in DEVICE_PARAMETRISED)
+        (keep if on_device or item.get_closest_marker("device") else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -23,6 +23,8 @@ try:
 except Exception:
     HAVE_GPU = False
 
+pytestmark = pytest.mark.device  # every test here runs in a --device pass too
+
 BACKENDS = [pytest.param("cpu", id="cpu")] + ([pytest.param("cuda", id=CUDA_ID)] if HAVE_GPU else [])
 
 
