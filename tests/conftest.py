@@ -175,8 +175,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: runs in a --device pass too (a test of the GPU path itself)")
     if config.getoption("device") != DEVICE and "DTORCH_TEST_DEVICE" not in os.environ:
         raise pytest.UsageError(f"--device {config.getoption('device')!r} was not seen at import ({DEVICE!r})")
-    if DEVICE == "cuda" and not HAVE_GPU:
-        raise pytest.UsageError("--device cuda needs CuPy and a GPU on every rank")
+    if DEVICE == "cuda" and (not HAVE_GPU or getattr(sys.modules.get("cupy"), "EMULATED", False)):
+        raise pytest.UsageError("--device cuda needs the real CuPy and a GPU on every rank "
+                                "(--device emulated is the test double)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,7 +1,9 @@
 """GPU path. The pure parts (backend selection, NCCL dtype mapping, unique-id forms, the
 padding plan) and the host-staging backend (with a NumPy stand-in for the device) run
 everywhere; the CuPy tests run one body over every available array backend and skip cleanly
-without a GPU."""
+without a GPU. With ``--device emulated`` they run on the emulated device (tests/emulated_cupy:
+a test double of CuPy and NCCL over MPI, docs/emulated_device.md), once per
+``DTORCH_GPU_BACKEND``; ``--device cuda`` on a real GPU (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
