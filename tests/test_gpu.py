@@ -308,3 +308,43 @@ def test_emulated_nccl_refuses_what_nccl_would() -> None:
         emulated.NcclCommunicator(SIZE, uid, RANK)
     cupy.cuda.Device(RANK).use()
     comm.Free()
+
+
+def test_cuda_aware_flag_overrides_the_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DTORCH_CUDA_AWARE_MPI", "1")
+    assert gpu.mpi_is_cuda_aware()
+    monkeypatch.setenv("DTORCH_CUDA_AWARE_MPI", "0")
+    assert not gpu.mpi_is_cuda_aware()
+
+
+@needs_device
+def test_device_backend_broadcast_and_average(check: Checker) -> None:
+    """The selected cuda backend's broadcast and its averaging reductions (floats divide, integers floor as NumPy's ``//``), uneven blocks."""
+    from mpi4py import MPI
+
+    from dtorch_mpi.comm import backend_for
+
+    mesh = dt.init_device_mesh("cuda", (SIZE,))
+    backend, group = backend_for("cuda"), Group(mesh.get_group(0), 0)
+    n = 2 * SIZE + 1
+    full = np.arange(n * 4, dtype=np.float64).reshape(n, 4)
+    for root in sorted({0, SIZE - 1}):
+        buf = cupy.asarray(full if RANK == root else np.zeros_like(full))
+        check.equal(backend.broadcast(group, buf, root).wait(), full, f"broadcast from {root}")
+    sizes = dt.split.split_sizes(n, SIZE)
+    off = sum(sizes[:RANK])
+    for dtype in (np.float32, np.int64):
+        mine = (full * (RANK + 1)).astype(dtype)
+        every = np.stack([(full * (r + 1)).astype(dtype) for r in range(SIZE)])
+        want = every.sum(0) / SIZE if dtype == np.float32 else every.sum(0) // SIZE
+        got = backend.all_reduce(group, cupy.asarray(mine), cupy.empty((n, 4), dtype), "avg").wait()
+        check.equal(got, want.astype(dtype), f"all_reduce avg {np.dtype(dtype)}", exact=False)
+        part = cupy.empty((sizes[RANK], 4), dtype)
+        got = backend.reduce_scatter(group, cupy.asarray(mine), part, 0, sizes, "avg").wait()
+        check.equal(got, want[off : off + sizes[RANK]].astype(dtype), f"reduce_scatter avg {np.dtype(dtype)}",
+                    exact=False)
+    rep = dt.distribute_tensor(cupy.asarray(full), mesh, [dt.Replicate()])  # a broadcast from rank 0
+    check.equal(rep.to_local(), full, "distribute_tensor Replicate")
+    MPI.COMM_WORLD.Barrier()
+    mesh.free()
+    check.done()
