@@ -66,9 +66,16 @@ def _wrap(r: Any) -> Any:
 
 
 def _device_call(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], strict: bool = True) -> Any:
+    """``fn`` on the arrays behind device arrays. A NumPy array is refused as an operand (every
+    argument of a ufunc, the first of another function: CuPy raises ``TypeError``); a later
+    argument may be one (axes, indices: CuPy reads those as sequences)."""
     _sync()
     out = kwargs.get("out")
-    r = fn(*_unwrap(args, strict), **{k: _unwrap(v, strict) for k, v in kwargs.items()})
+    if isinstance(fn, np.ufunc) or not args:
+        args = _unwrap(args, strict)
+    else:
+        args = (_unwrap(args[0], strict), *_unwrap(args[1:], False))
+    r = fn(*args, **{k: _unwrap(v, strict and k == "out") for k, v in kwargs.items()})
     if out is not None and isinstance(out, ndarray):
         return out
     if isinstance(out, tuple) and len(out) == 1 and isinstance(out[0], ndarray):
