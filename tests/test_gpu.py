@@ -329,7 +329,7 @@ def test_device_backend_broadcast_and_average(check: Checker) -> None:
     n = 2 * SIZE + 1
     full = np.arange(n * 4, dtype=np.float64).reshape(n, 4)
     for root in sorted({0, SIZE - 1}):
-        buf = cupy.asarray(full if RANK == root else np.zeros_like(full))
+        buf = cupy.asarray(full if root == RANK else np.zeros_like(full))
         check.equal(backend.broadcast(group, buf, root).wait(), full, f"broadcast from {root}")
     sizes = dt.split.split_sizes(n, SIZE)
     off = sum(sizes[:RANK])
