@@ -127,12 +127,12 @@ install-phdf5: $(PHDF5_STAMP)
 # not a GPU): every device-array test once per backend. `make test` runs a short pass of it.
 GPU_BACKENDS := nccl,cuda-aware-mpi,host-staging
 GPU_EMULATED_TESTS := tests/test_gpu.py tests/test_redistribute.py tests/test_ops.py
-GPU_EMULATED_SHORT := tests/test_gpu.py tests/test_redistribute.py
+GPU_EMULATED_SHORT := -k "not training" tests/test_gpu.py tests/test_redistribute.py
 
 test: $(TEST_DEPS)
 	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS)
 	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes 2,4 --paths auto --device emulated \
-	  --gpu-backends $(GPU_BACKENDS) $(GPU_EMULATED_SHORT)
+	  --gpu-backends $(GPU_BACKENDS) -- $(GPU_EMULATED_SHORT)
 
 test-gpu-emulated: $(STAMP)
 	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths auto --device emulated \
