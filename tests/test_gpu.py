@@ -241,6 +241,20 @@ def test_nccl_max_min_keep_nan_as_numpy(op: str, check: Checker) -> None:
 
 @needs_device
 @needs_peers
+def test_nccl_broadcast_fills_a_strided_buffer(check: Checker) -> None:
+    """NCCL fills memory in order: a non-contiguous buffer is broadcast through a contiguous
+    copy and filled in place on completion."""
+    comm, nccl, group = nccl_group()
+    full = np.arange(5 * 4, dtype=np.float64).reshape(5, 4)
+    wide = cupy.asarray(np.repeat(full, 2, axis=1) if RANK == 0 else np.zeros((5, 8)))
+    nccl.broadcast(group, wide[:, ::2], 0).wait()
+    check.equal(wide[:, ::2], full, "strided broadcast")
+    comm.Free()
+    check.done()
+
+
+@needs_device
+@needs_peers
 def test_nccl_is_nonblocking_and_bounded_by_the_deadline() -> None:
     """async_op=True returns before the peers have joined (done() is False until they do); a
     collective one rank never joins raises CollectiveTimeoutError within the deadline on the
