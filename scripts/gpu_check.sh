@@ -74,6 +74,7 @@ fi
 
 echo
 echo "=== summary"
+[ "$DEVICE" = emulated ] && echo "*** EMULATED DEVICE (test double): a dry run of this script, not a GPU result"
 printf '%s\n' "${summary[@]}"
 grep -E "ratio|S\(0\)|P->R" "$LOG/gpu-benchmark-2-ranks.log" 2>/dev/null
 grep -E "ratio|nccl" "$LOG/gpu-nccl-vs-raw.log" 2>/dev/null
