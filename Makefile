@@ -63,7 +63,7 @@ TEST_DEPS := $(STAMP)
 PHDF5_ARGS :=
 endif
 
-.PHONY: test demo install install-phdf5 test-phdf5 test-slurm test-multihost lint bench plots docs fuzz clean
+.PHONY: test demo install install-phdf5 test-phdf5 test-slurm test-multihost test-gpu-emulated lint bench plots docs fuzz clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "==> [$(VENV)] creating the venv with $(PYTHON)"
@@ -123,8 +123,20 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 
 install-phdf5: $(PHDF5_STAMP)
 
+# The GPU backends on the emulated device (tests/emulated_cupy: a test double of CuPy and NCCL,
+# not a GPU): every device-array test once per backend. `make test` runs a short pass of it.
+GPU_BACKENDS := nccl,cuda-aware-mpi,host-staging
+GPU_EMULATED_TESTS := tests/test_gpu.py tests/test_redistribute.py tests/test_ops.py
+GPU_EMULATED_SHORT := -k "not training" tests/test_gpu.py tests/test_redistribute.py
+
 test: $(TEST_DEPS)
 	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS)
+	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes 2,4 --paths auto --device emulated \
+	  --gpu-backends $(GPU_BACKENDS) -- $(GPU_EMULATED_SHORT)
+
+test-gpu-emulated: $(STAMP)
+	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths auto --device emulated \
+	  --gpu-backends $(GPU_BACKENDS) $(GPU_EMULATED_TESTS)
 
 test-phdf5: $(PHDF5_STAMP)
 	$(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \

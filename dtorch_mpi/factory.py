@@ -275,6 +275,8 @@ def _distribute(array: Any, device_mesh: DeviceMesh, placements: Sequence[Placem
             if not hasattr(array, "shape") or not hasattr(array, "dtype"):
                 raise TypeError(f"distribute_tensor needs an array, got {type(array).__name__}")
             array = to_native(array)
+            if device_mesh.device_type == "cuda":  # a host array moves to the device (PyTorch's too)
+                array = array_namespace("cuda").asarray(array)
             if array.ndim > MAX_NDIM:
                 raise ShapeMismatchError(f"arrays of more than {MAX_NDIM} dims are not supported")
             normalize_placements(placements, mesh.ndim, array.ndim)

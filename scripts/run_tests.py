@@ -69,6 +69,10 @@ def main() -> int:
     ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
     ap.add_argument("--phdf5-mpiexec", default="mpiexec", help="the parallel-HDF5 stack's launcher")
     ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py")
+    ap.add_argument("--device", default="", choices=("", "emulated", "cuda"),
+                    help="pytest --device: emulated (tests/emulated_cupy, a test double) or cuda (a real GPU)")
+    ap.add_argument("--gpu-backends", default="",
+                    help="DTORCH_GPU_BACKEND values: every run once per backend (with --device)")
     ap.add_argument("pytest_args", nargs="*", default=[])
     args = ap.parse_args()
     python = sys.executable
@@ -78,12 +82,17 @@ def main() -> int:
     if args.phdf5_python:
         stacks.append(("phdf5", args.phdf5_python, args.phdf5_mpiexec, ["auto"],
                        args.phdf5_tests.split() + args.pytest_args))
-    runs = [(stack, py, mpx, path, size, extra) for stack, py, mpx, paths, extra in stacks
-            for path in paths for size in (int(s) for s in args.sizes.split(","))]
-    for stack, py, mpiexec, path, size, extra in runs:
+    device = ["--device", args.device] if args.device else []
+    gpu_backends = args.gpu_backends.split(",") if args.gpu_backends else [""]
+    runs = [(stack, py, mpx, path, size, extra, gpu) for stack, py, mpx, paths, extra in stacks
+            for path in paths for size in (int(s) for s in args.sizes.split(",")) for gpu in gpu_backends]
+    for stack, py, mpiexec, path, size, extra, gpu in runs:
         env = dict(os.environ, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1", MPIEXEC=mpiexec)
-        env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{stack}-{path}-n{size}")
-        pytest_cmd = [py, "-m", "pytest", "-q", "--color=no", *extra]
+        if gpu:
+            env["DTORCH_GPU_BACKEND"] = gpu
+            print(f"\n--- DTORCH_GPU_BACKEND={gpu} {' '.join(device)}", flush=True)
+        env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{stack}-{path}-n{size}{'-' + gpu if gpu else ''}")
+        pytest_cmd = [py, "-m", "pytest", "-q", "--color=no", *device, *extra]
         if size == 1:
             cmd = pytest_cmd
         else:
@@ -94,7 +103,7 @@ def main() -> int:
         for k in total:
             total[k] += got[k]
         if rc not in (0,):
-            bad_runs.append(f"{stack} {path} n={size} (exit {rc})")
+            bad_runs.append(f"{stack} {path} n={size}{' ' + gpu if gpu else ''} (exit {rc})")
             if got["failed"] == 0 and got["errors"] == 0:
                 total["failed"] += 1
     print()

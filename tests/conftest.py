@@ -8,7 +8,9 @@ then ends the others; every mpiexec run is bounded by scripts/run_tests.py.
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -144,6 +146,63 @@ def mesh2d() -> Iterator[dt.DeviceMesh]:
     mesh.free()
 
 
+def _device_option() -> str:
+    """``--device`` (read from the command line here, as the array backends below are fixed at
+    import; ``pytest_configure`` checks it agrees with pytest's parse) or ``DTORCH_TEST_DEVICE``."""
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--device="):
+            return arg.split("=", 1)[1]
+    return os.environ.get("DTORCH_TEST_DEVICE", "auto")
+
+
+DEVICE = _device_option()
+EMULATED_CUPY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "emulated_cupy")
+if DEVICE == "emulated":  # the test double of a GPU (tests/emulated_cupy), imported as ``cupy``
+    if "cupy" in sys.modules and not getattr(sys.modules["cupy"], "EMULATED", False):
+        raise RuntimeError("--device emulated: the real CuPy is imported already")
+    sys.path.insert(0, EMULATED_CUPY)
+    import cupy as _emulated
+
+    assert _emulated.EMULATED, _emulated.__file__
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="auto", choices=("auto", "emulated", "cuda"),
+                     help="the device of the CuPy array backend: auto (a real GPU where there is one), emulated "
+                          "(tests/emulated_cupy, a test double of CuPy and NCCL over MPI: only the device-array "
+                          "cases run), cuda (a real GPU required: only the device-array cases run)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "device: runs in a --device pass too (a test of the GPU path itself)")
+    if config.getoption("device") != DEVICE and "DTORCH_TEST_DEVICE" not in os.environ:
+        raise pytest.UsageError(f"--device {config.getoption('device')!r} was not seen at import ({DEVICE!r})")
+    if DEVICE == "cuda" and (not HAVE_GPU or getattr(sys.modules.get("cupy"), "EMULATED", False)):
+        raise pytest.UsageError("--device cuda needs the real CuPy and a GPU on every rank "
+                                "(--device emulated is the test double)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With a device chosen, only the device-array cases and the ``device``-marked tests run (the
+    CPU pass runs everything else)."""
+    if DEVICE == "auto":
+        return
+    keep, drop = [], []
+    for item in items:
+        params = getattr(item, "callspec", None)
+        on_device = params is not None and any(params.params.get(f) == "cuda" for f in DEVICE_PARAMETRISED)
+        (keep if on_device or item.get_closest_marker("device") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+DEVICE_PARAMETRISED = ("xp_mesh1d", "xp_mesh2d", "any_mesh")
+
+
 def _every_rank_has_a_gpu() -> bool:
     """CuPy importable and a GPU on every rank (agreed: every rank skips or none does)."""
     try:
@@ -157,8 +216,9 @@ def _every_rank_has_a_gpu() -> bool:
 
 HAVE_GPU = _every_rank_has_a_gpu()
 NO_GPU = "CuPy array backend: needs CuPy and a GPU on every rank"
+CUDA_ID = "cupy-emulated" if DEVICE == "emulated" else "cupy"  # the test double named in every test id
 ARRAY_BACKENDS = [pytest.param("cpu", id="numpy"),
-                  pytest.param("cuda", id="cupy", marks=pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU))]
+                  pytest.param("cuda", id=CUDA_ID, marks=pytest.mark.skipif(not HAVE_GPU, reason=NO_GPU))]
 
 
 def to_numpy(a: Any) -> np.ndarray:

@@ -18,13 +18,14 @@ import numpy as np
 from mpi4py import MPI
 
 from .._mpi import library_world, ranks_on_node
+from ..errors import CollectiveTimeoutError
 from .backend import backends_for
 from .deadline import wait_request
 from .group import Group
 from .layout import offsets, view3
 from .lifetime import CommAttached
 from .mpi_backend import MPIBackend, _pack_by_destination
-from .work import Done, Work, completed
+from .work import Done, Work
 
 
 # --- selection -----------------------------------------------------------------------------
@@ -274,11 +275,47 @@ def _flat_blocks(a: Any, axis: int, sizes: Sequence[int]) -> list[Any]:
             for n, o in zip(sizes, offsets(sizes))]
 
 
+class _EventRequest:
+    """A CUDA event as the deadline loop's request (comm/deadline.py): ``Test()`` queries it."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def Test(self) -> bool:
+        return bool(self.event.query())
+
+
+class NCCLWork(Work):
+    """NCCL work enqueued on the current stream, completed when the event recorded after it
+    has: polled by the MPI backend's deadline loop, so ``DTORCH_COLLECTIVE_TIMEOUT`` holds. A
+    wait that times out aborts the NCCL communicator (``ncclCommAbort``, where CuPy has it):
+    its kernels then end instead of spinning on the GPU for a peer that never comes."""
+
+    __slots__ = ("_abort",)
+
+    def __init__(self, event: Any, finish: Callable[[], Any], keep: tuple[Any, ...], what: str,
+                 abort: Callable[[], None]) -> None:
+        super().__init__(_EventRequest(event), finish, keep, what)  # type: ignore[arg-type]
+        self._abort = abort
+
+    def wait(self) -> Any:
+        try:
+            return super().wait()
+        except CollectiveTimeoutError:
+            self._abort()
+            raise
+
+
 class NCCLBackend:
     """NCCL through ``cupy.cuda.nccl``: one communicator per mesh-dim group (its unique id
-    broadcast over MPI), work enqueued on the current stream. ``ncclAllGather`` and
-    ``ncclReduceScatter`` pad uneven blocks to the largest; all-to-all and scatter are grouped
-    ``ncclSend``/``ncclRecv`` of each block (no padding, no broadcast of the whole array)."""
+    broadcast over MPI), work enqueued on the current stream and nonblocking: an event is
+    recorded after the enqueue and the returned :class:`NCCLWork` polls it under the collective
+    deadline; unpadding, the NaN restore and an average's division run when it completes.
+    ``ncclAllGather`` and ``ncclReduceScatter`` pad uneven blocks to the largest; all-to-all
+    and scatter are grouped ``ncclSend``/``ncclRecv`` of each block (no padding, no broadcast
+    of the whole array)."""
 
     name = "nccl"
 
@@ -313,6 +350,22 @@ class NCCLBackend:
 
         return cupy.cuda.get_current_stream().ptr
 
+    def _started(self, group: Group, kind: str, finish: Callable[[], Any], keep: tuple[Any, ...]) -> NCCLWork:
+        """The handle of what was just enqueued: an event recorded after it on the stream; the
+        buffers in ``keep`` live until it completes (comm/work.py)."""
+        import cupy
+
+        event = cupy.cuda.Event(disable_timing=True)
+        event.record(cupy.cuda.get_current_stream())
+        comm = self._nccl(group)
+
+        def abort() -> None:
+            aborting = getattr(comm, "abort", None)  # CuPy >= 8 with NCCL >= 2.4
+            if aborting is not None:
+                aborting()
+
+        return NCCLWork(event, finish, keep, f"NCCL {_NCCL_CALLS[kind]} ({kind})", abort)
+
     @staticmethod
     def _wire(a: Any, reducing: bool) -> tuple[Any, int]:
         from cupy.cuda import nccl
@@ -340,25 +393,27 @@ class NCCLBackend:
         s, st = self._wire(pad_send, False)
         r, _ = self._wire(pad_out, False)
         self._nccl(group).allGather(s.data.ptr, r.data.ptr, s.size, st, self._stream())
-        dst = out.reshape(outer, length, inner)
-        for i, (count, _, _) in enumerate(plan):
-            n = count // inner if inner else 0
-            o = offsets(sizes)[i]
-            dst[:, o : o + n, :] = pad_out[i, :, :count].reshape(outer, n, inner)
-        return completed(out)
+
+        def finish() -> Any:
+            dst = out.reshape(outer, length, inner)
+            for i, (count, _, _) in enumerate(plan):
+                n = count // inner if inner else 0
+                o = offsets(sizes)[i]
+                dst[:, o : o + n, :] = pad_out[i, :, :count].reshape(outer, n, inner)
+            return out
+
+        return self._started(group, "all_gather", finish, (pad_send, pad_out, s, r))
 
     @staticmethod
-    def _nan_mask(wire: Any, reduce_op: str, dtype: Any, count: int, call: Callable[[Any, Any, int], None]) -> Any:
-        """NCCL's max/min drop NaN, NumPy's keep it: the ``count`` results where any rank had a
-        NaN, by ``call(send_mask, recv_mask, count)`` (a uint8 max); None when not needed."""
+    def _nan_mask(wire: Any, reduce_op: str, dtype: Any, count: int) -> tuple[Any, Any] | None:
+        """NCCL's max/min drop NaN, NumPy's keep it: ``(send mask, receive mask)`` for a uint8
+        max of where ``wire`` is NaN (``count`` results), made before anything is enqueued;
+        None when not needed."""
         import cupy
 
         if reduce_op not in ("max", "min") or np.dtype(dtype).kind != "f":
             return None
-        nan = cupy.isnan(wire).astype(np.uint8)
-        got = cupy.empty(count, dtype=np.uint8)
-        call(nan, got, count)
-        return got.astype(bool)
+        return cupy.isnan(wire).astype(np.uint8), cupy.empty(count, dtype=np.uint8)
 
     def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False) -> Any:
         import cupy
@@ -367,17 +422,21 @@ class NCCLBackend:
         m = group.size
         src, code = self._wire(cupy.ascontiguousarray(send), True)
         dst = cupy.empty_like(src)
+        nan = self._nan_mask(src, reduce_op, out.dtype, src.size)
         comm, stream = self._nccl(group), self._stream()
         comm.allReduce(src.data.ptr, dst.data.ptr, src.size, code, _nccl_op(reduce_op, out.dtype), stream)
+        if nan is not None:
+            comm.allReduce(nan[0].data.ptr, nan[1].data.ptr, src.size, nccl.NCCL_UINT8, nccl.NCCL_MAX, stream)
 
-        def any_rank(a: Any, b: Any, n: int) -> None:
-            comm.allReduce(a.data.ptr, b.data.ptr, n, nccl.NCCL_UINT8, nccl.NCCL_MAX, stream)
+        def finish() -> Any:
+            got = dst
+            if nan is not None:
+                got[nan[1].astype(bool)] = np.nan
+            got = _averaged(got, m, reduce_op, out.dtype)
+            out[...] = self._unwire(got, out.dtype).reshape(out.shape)
+            return out
 
-        if (nan := self._nan_mask(src, reduce_op, out.dtype, src.size, any_rank)) is not None:
-            dst[nan] = np.nan
-        dst = _averaged(dst, m, reduce_op, out.dtype)
-        out[...] = self._unwire(dst, out.dtype).reshape(out.shape)
-        return completed(out)
+        return self._started(group, "all_reduce", finish, (src, dst, nan))
 
     def reduce_scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
                        reduce_op: str, async_op: bool = False) -> Any:
@@ -396,18 +455,22 @@ class NCCLBackend:
         src, code = self._wire(pack, True)
         count = src.size // m
         dst = cupy.empty(count, dtype=src.dtype)
+        nan = self._nan_mask(src, reduce_op, out.dtype, count)
         comm, stream = self._nccl(group), self._stream()
         comm.reduceScatter(src.data.ptr, dst.data.ptr, count, code, _nccl_op(reduce_op, out.dtype), stream)
+        if nan is not None:
+            comm.reduceScatter(nan[0].data.ptr, nan[1].data.ptr, count, nccl.NCCL_UINT8, nccl.NCCL_MAX, stream)
 
-        def any_rank(a: Any, b: Any, n: int) -> None:
-            comm.reduceScatter(a.data.ptr, b.data.ptr, n, nccl.NCCL_UINT8, nccl.NCCL_MAX, stream)
+        def finish() -> Any:
+            red = dst
+            if nan is not None:
+                red[nan[1].astype(bool)] = np.nan
+            red = _averaged(red, m, reduce_op, out.dtype)
+            got = self._unwire(red, out.dtype).reshape(outer, width, inner)[:, : sizes[me], :]
+            out[...] = got.reshape(out.shape)
+            return out
 
-        if (nan := self._nan_mask(src, reduce_op, out.dtype, count, any_rank)) is not None:
-            dst[nan] = np.nan
-        dst = _averaged(dst, m, reduce_op, out.dtype)
-        got = self._unwire(dst, out.dtype).reshape(outer, width, inner)[:, : sizes[me], :]
-        out[...] = got.reshape(out.shape)
-        return completed(out)
+        return self._started(group, "reduce_scatter", finish, (pack, src, dst, nan))
 
     def all_to_all(self, group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
                    concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Any:
@@ -435,17 +498,30 @@ class NCCLBackend:
                     comm.recv(rb.data.ptr, rb.size, rt, j, stream)
         finally:
             nccl.groupEnd()
-        if not direct:
-            for block, n, o in zip(recvs, concat_sizes, offsets(concat_sizes)):
-                shape = list(out.shape)
-                shape[concat_axis] = n
-                out[(slice(None),) * concat_axis + (slice(o, o + n),)] = block.reshape(shape)
-        return completed(out)
+
+        def finish() -> Any:
+            if not direct:
+                for block, n, o in zip(recvs, concat_sizes, offsets(concat_sizes)):
+                    shape = list(out.shape)
+                    shape[concat_axis] = n
+                    out[(slice(None),) * concat_axis + (slice(o, o + n),)] = block.reshape(shape)
+            return out
+
+        return self._started(group, "all_to_all", finish, (sends, recvs))
 
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Any:
-        flat, t = self._wire(buf, False)
+        import cupy
+
+        dense = buf if buf.flags.c_contiguous else cupy.ascontiguousarray(buf)  # NCCL fills memory in order
+        flat, t = self._wire(dense, False)
         self._nccl(group).bcast(flat.data.ptr, flat.size, t, root, self._stream())
-        return completed(buf)
+
+        def finish() -> Any:
+            if dense is not buf:
+                buf[...] = dense
+            return buf
+
+        return self._started(group, "broadcast", finish, (dense, flat))
 
     def scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int], root: int,
                 async_op: bool = False) -> Any:
@@ -471,8 +547,12 @@ class NCCLBackend:
                 comm.recv(rb.data.ptr, rb.size, rt, root, stream)
         finally:
             nccl.groupEnd()
-        out[...] = mine.reshape(out.shape)
-        return completed(out)
+
+        def finish() -> Any:
+            out[...] = mine.reshape(out.shape)
+            return out
+
+        return self._started(group, "scatter", finish, (mine, send))
 
 
 __all__ = ["CudaAwareMPIBackend", "DeviceAdapter", "HostStagingBackend", "NCCLBackend", "agreed_facts", "choose_backend",

@@ -1,0 +1,3 @@
+"""EMULATED DEVICE (test double): ``cupyx.scipy``."""
+
+from . import special  # noqa: F401
