@@ -40,6 +40,43 @@ except ImportError:
     pass
 
 
+RANK_INDEPENDENT = "rank_independent"
+PATH_INDEPENDENT = "path_independent"
+RUN_ONCE = [getattr(pytest.mark, RANK_INDEPENDENT), getattr(pytest.mark, PATH_INDEPENDENT)]
+"""The marks of a test whose result depends on neither the rank count nor the collective path
+(a pure function, or one that launches its own mpiexec jobs): it runs once, in the 1-process
+run on the first path. Which file takes which mark, and why: docs/testing.md."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--skip-path-independent", action="store_true",
+                     help="this run repeats a collective path already run: deselect the tests marked "
+                          f"{PATH_INDEPENDENT} (scripts/run_tests.py passes it on every path but the first)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Only rank 0 writes ``--junitxml`` (its verdicts are every rank's: the collective verdict
+    below); the other ranks would overwrite the same file."""
+    if RANK > 0 and getattr(config.option, "xmlpath", None):
+        config.option.xmlpath = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect what this run adds nothing to: ``rank_independent`` tests under mpiexec (they
+    ran in the 1-process run) and, with ``--skip-path-independent``, ``path_independent`` ones.
+    The same on every rank (marks and options are), so every rank runs the same tests."""
+    skip_paths = config.getoption("--skip-path-independent")
+    keep, drop = [], []
+    for item in items:
+        repeat = (SIZE > 1 and item.get_closest_marker(RANK_INDEPENDENT) is not None) or (
+            skip_paths and item.get_closest_marker(PATH_INDEPENDENT) is not None)
+        (drop if repeat else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield

@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-from mpi4py import MPI
+from conftest import RUN_ONCE
+
+pytestmark = RUN_ONCE  # reads files and imports modules: no communication
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="checked once, in the 1-process pass")
 def test_signature_doc_is_current() -> None:
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from conftest import RANK, SIZE, Checker, lengths_for, reference
-from test_autograd import numeric_grad
+from helpers import numeric_grad
 
 import dtorch_mpi as dt
 from dtorch_mpi import nn
