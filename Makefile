@@ -150,6 +150,7 @@ plots: $(STAMP)
 
 docs: $(STAMP)
 	$(PY) scripts/gen_signatures.py
+	$(PY) scripts/gen_settings.py
 
 bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_redistribute.py

@@ -37,3 +37,13 @@ def test_api_page_names_real_public_modules() -> None:
         assert exported, f"{name} is listed as API in docs/api.md but has no __all__"
         missing = [n for n in exported if not hasattr(module, n)]
         assert not missing, f"{name}.__all__ names what it lacks: {missing}"
+
+
+def test_settings_doc_is_current() -> None:
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from gen_settings import render
+    finally:
+        sys.path.pop(0)
+    with open(os.path.join(ROOT, "docs", "settings.md")) as fh:
+        assert fh.read() == render(), "docs/settings.md is stale: run scripts/gen_settings.py"

@@ -13,41 +13,26 @@
 
 from __future__ import annotations
 
-import os
+from .. import settings
 
-PATHS = ("auto", "padded", "variable")
-
-_path: str | None = None
+PATHS = settings.COMM_PATHS
 
 
 def comm_path() -> str:
-    global _path
-    if _path is None:
-        set_comm_path(os.environ.get("DTORCH_COMM_PATH", "auto"))
-    assert _path is not None
-    return _path
+    """The collective path of this process (``DTORCH_COMM_PATH``, or ``set_comm_path``)."""
+    return str(settings.get("DTORCH_COMM_PATH"))
 
 
 def set_comm_path(path: str) -> None:
     """Select the collective path for this process (all ranks must select the same)."""
-    global _path
-    if path not in PATHS:
-        raise ValueError(f"DTORCH_COMM_PATH={path!r} is not one of {', '.join(PATHS)}")
-    _path = path
-
-
-_debug: bool | None = None
+    settings.put("DTORCH_COMM_PATH", settings.parse("DTORCH_COMM_PATH", path))
 
 
 def spmd_debug() -> bool:
     """``DTORCH_SPMD_DEBUG=1``: every collective first checks that all ranks of its group make
     the same call (kind, shapes, dtype), raising ``SPMDDivergenceError`` instead of hanging."""
-    global _debug
-    if _debug is None:
-        _debug = os.environ.get("DTORCH_SPMD_DEBUG", "") not in ("", "0")
-    return _debug
+    return bool(settings.get("DTORCH_SPMD_DEBUG"))
 
 
 def set_spmd_debug(on: bool) -> None:
-    global _debug
-    _debug = bool(on)
+    settings.put("DTORCH_SPMD_DEBUG", bool(on))
