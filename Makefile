@@ -39,9 +39,13 @@ PHDF5_PKGCONFIG ?= hdf5-mpich
 PHDF5_STAMP    := $(PHDF5_VENV)/.installed
 # mpi4py and h5py built from source are kept as wheels in a folder keyed by the MPI compiler's
 # link line and the HDF5 version, never in pip's own cache (which would hand a wheel built
-# against one MPI to another): a fresh clone on the same machine reuses them.
-PHDF5_KEY      := $(shell ($(PHDF5_MPICC) -show; pkg-config --modversion $(PHDF5_PKGCONFIG)) 2>/dev/null | sha1sum | cut -c1-16)
-PHDF5_WHEELS   ?= $(HOME)/.cache/dtorch_mpi/wheels/phdf5-$(PHDF5_KEY)
+# against one MPI to another): a fresh clone on the same machine reuses them. The key is
+# computed by the recipe's shell, after apt-get may have installed the compiler (computed when
+# make reads this file, it was the key of nothing on a first run, and the next clone, finding
+# the compiler, looked in another folder and built both again).
+PHDF5_WHEELS   ?=
+phdf5_wheels    = $(or $(PHDF5_WHEELS),$(HOME)/.cache/dtorch_mpi/wheels/phdf5-$$( ($(PHDF5_MPICC) -show; \
+                  pkg-config --modversion $(PHDF5_PKGCONFIG)) 2>/dev/null | sha1sum | cut -c1-16))
 DEBIAN_PACKAGES := mpich libmpich-dev libhdf5-mpich-dev pkg-config
 
 # Open MPI refuses to start as root and to put more ranks than cores on a node; MPICH and
@@ -98,22 +102,22 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 	test -x $(PHDF5_VENV)/bin/python || $(PYTHON) -m venv $(PHDF5_VENV)
 	@echo "==> [$(PHDF5_VENV)] installing build tools and numpy (seconds)"
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --upgrade pip "setuptools>=77" cython pkgconfig numpy wheel
-	@if ls $(PHDF5_WHEELS)/mpi4py-*.whl >/dev/null 2>&1; then \
-	  echo "==> [$(PHDF5_VENV)] mpi4py: reusing the wheel built earlier against this MPI ($(PHDF5_WHEELS))"; \
+	@if ls $(phdf5_wheels)/mpi4py-*.whl >/dev/null 2>&1; then \
+	  echo "==> [$(PHDF5_VENV)] mpi4py: reusing the wheel built earlier against this MPI ($(phdf5_wheels))"; \
 	else \
 	  echo "==> [$(PHDF5_VENV)] building mpi4py from source against $(PHDF5_MPICC) (about 2 min, once per MPI)"; \
 	  MPICC=$(PHDF5_MPICC) $(PHDF5_VENV)/bin/pip wheel $(PIP_INSTALL) --no-cache-dir --no-deps \
-	    --no-binary=mpi4py -w $(PHDF5_WHEELS) "mpi4py>=4"; \
+	    --no-binary=mpi4py -w $(phdf5_wheels) "mpi4py>=4"; \
 	fi
-	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(PHDF5_WHEELS) mpi4py
-	@if ls $(PHDF5_WHEELS)/h5py-*.whl >/dev/null 2>&1; then \
+	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(phdf5_wheels) mpi4py
+	@if ls $(phdf5_wheels)/h5py-*.whl >/dev/null 2>&1; then \
 	  echo "==> [$(PHDF5_VENV)] h5py: reusing the wheel built earlier against this MPI and HDF5"; \
 	else \
 	  echo "==> [$(PHDF5_VENV)] building h5py from source against $(PHDF5_PKGCONFIG) (about 3-10 min, once per MPI)"; \
 	  CC=$(PHDF5_MPICC) HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$(PHDF5_PKGCONFIG) $(PHDF5_VENV)/bin/pip wheel \
-	    $(PIP_INSTALL) --no-cache-dir --no-deps --no-binary=h5py --no-build-isolation -w $(PHDF5_WHEELS) h5py; \
+	    $(PIP_INSTALL) --no-cache-dir --no-deps --no-binary=h5py --no-build-isolation -w $(phdf5_wheels) h5py; \
 	fi
-	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(PHDF5_WHEELS) h5py
+	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(phdf5_wheels) h5py
 	@echo "==> [$(PHDF5_VENV)] installing the test tools and the package (seconds)"
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) xxhash pytest pytest-mpi pytest-timeout hypothesis
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --no-deps -e .

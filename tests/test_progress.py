@@ -108,6 +108,7 @@ print("finalized", flush=True)
 
 
 @pytest.mark.rank_independent  # launches its own mpiexec
+@pytest.mark.path_independent  # the progress thread's stop at exit: the same on every path
 @pytest.mark.parametrize("program, ending", [
     (_TRANSFERS_IN_FLIGHT + "print('ended', flush=True)", "ended"),
     (_FINALIZE_AFTER_WAIT_ALL, "finalized"),
