@@ -175,8 +175,10 @@ def parse(name: str, text: str) -> Any:
 def get(name: str) -> Any:
     """The setting's value: kept after its first use, or parsed from the environment now
     (see ``read``); None for a setting unset without a default."""
-    if name in _kept:  # only first-use settings are kept; the common case, so checked first
-        return _kept[name]
+    try:
+        return _kept[name]  # only first-use settings are kept: the common case, on every collective
+    except KeyError:
+        pass
     s = _setting(name)
     text = os.environ.get(name, s.default)
     value = None if text is None else s.parse(text)

@@ -20,7 +20,7 @@ PATHS = settings.COMM_PATHS
 
 def comm_path() -> str:
     """The collective path of this process (``DTORCH_COMM_PATH``, or ``set_comm_path``)."""
-    return str(settings.get("DTORCH_COMM_PATH"))
+    return settings.get("DTORCH_COMM_PATH")
 
 
 def set_comm_path(path: str) -> None:
@@ -31,7 +31,7 @@ def set_comm_path(path: str) -> None:
 def spmd_debug() -> bool:
     """``DTORCH_SPMD_DEBUG=1``: every collective first checks that all ranks of its group make
     the same call (kind, shapes, dtype), raising ``SPMDDivergenceError`` instead of hanging."""
-    return bool(settings.get("DTORCH_SPMD_DEBUG"))
+    return settings.get("DTORCH_SPMD_DEBUG")
 
 
 def set_spmd_debug(on: bool) -> None:

@@ -26,7 +26,7 @@ from ..errors import CollectiveTimeoutError
 
 def collective_timeout() -> float:
     """Seconds a collective may take (``DTORCH_COLLECTIVE_TIMEOUT``); 0 means no deadline."""
-    return float(settings.get("DTORCH_COLLECTIVE_TIMEOUT"))
+    return settings.get("DTORCH_COLLECTIVE_TIMEOUT")
 
 
 def set_collective_timeout(seconds: float) -> None:

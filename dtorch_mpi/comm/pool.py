@@ -48,7 +48,7 @@ _lock = threading.Lock()
 
 def pool_cap() -> int:
     """The most bytes the pool keeps (``DTORCH_BUFFER_POOL_BYTES``)."""
-    return int(settings.get("DTORCH_BUFFER_POOL_BYTES"))
+    return settings.get("DTORCH_BUFFER_POOL_BYTES")
 
 
 def set_pool_cap(nbytes: int) -> None:
