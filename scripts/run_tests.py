@@ -85,6 +85,15 @@ def parse_pass(text: str, defaults: Pass) -> Pass:
     return spec
 
 
+def plan(passes: list[Pass]) -> list[tuple[Pass, str, int, bool]]:
+    """Every run: (pass, path, size, whether the path is the pass's first). The 1-process run is
+    made on a pass's first path only: at one rank no collective reaches the backend
+    (comm/prologue.py: a group of one returns at once), so the path cannot change it (the tests
+    that launch their own mpiexec are rank_independent and path_independent)."""
+    return [(spec, path, size, i == 0) for spec in passes for i, path in enumerate(spec.paths)
+            for size in spec.sizes if i == 0 or size > 1]
+
+
 def report_counts(path: str) -> dict[str, int] | None:
     """passed/failed/errors/skipped from a pytest JUnit XML report (None when there is none)."""
     try:
@@ -164,12 +173,8 @@ def main() -> int:
                            args.phdf5_tests.split()))
     passes += [parse_pass(text, pip) for text in args.extra_pass]
 
-    # The 1-process run is made on a pass's first path only: at one rank no collective reaches
-    # the backend (comm/prologue.py: a group of one returns at once), so the path cannot change
-    # it (tests that launch their own mpiexec are rank_independent and path_independent).
-    results = [run_one(spec, path, size, i == 0, args.pytest_args, args.run_timeout)
-               for spec in passes for i, path in enumerate(spec.paths) for size in spec.sizes
-               if i == 0 or size > 1]
+    results = [run_one(spec, path, size, first, args.pytest_args, args.run_timeout)
+               for spec, path, size, first in plan(passes)]
 
     total = dict.fromkeys(KEYS, 0)
     bad_runs = []
