@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+__all__ = ["READ_AT", "SETTINGS", "TOOLING", "Setting", "agreed", "get", "parse", "put", "unknown"]
+
 PREFIX = "DTORCH_"
 
 READ_AT = {

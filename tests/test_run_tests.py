@@ -31,9 +31,9 @@ def test_plan_runs_one_process_once_and_marks_the_first_path() -> None:
 
 
 def test_extra_pass_specs() -> None:
-    spec = run_tests.parse_pass("emu sizes=1,2 paths=auto env=DTORCH_X=1 env=Y=a=b tests=tests/a.py,tests/b.py", PIP)
+    spec = run_tests.parse_pass("emu sizes=1,2 paths=auto env=DTORCH_SEED=1 env=Y=a=b tests=tests/a.py,tests/b.py", PIP)
     assert (spec.name, spec.python, spec.mpiexec, spec.sizes, spec.paths, spec.tests, spec.env) == (
-        "emu", "python", "mpiexec", [1, 2], ["auto"], ["tests/a.py", "tests/b.py"], {"DTORCH_X": "1", "Y": "a=b"})
+        "emu", "python", "mpiexec", [1, 2], ["auto"], ["tests/a.py", "tests/b.py"], {"DTORCH_SEED": "1", "Y": "a=b"})
     with pytest.raises(SystemExit, match="begin with the pass's name"):
         run_tests.parse_pass("sizes=1", PIP)
     with pytest.raises(SystemExit, match="'colour=red' is not"):
