@@ -39,9 +39,13 @@ PHDF5_PKGCONFIG ?= hdf5-mpich
 PHDF5_STAMP    := $(PHDF5_VENV)/.installed
 # mpi4py and h5py built from source are kept as wheels in a folder keyed by the MPI compiler's
 # link line and the HDF5 version, never in pip's own cache (which would hand a wheel built
-# against one MPI to another): a fresh clone on the same machine reuses them.
-PHDF5_KEY      := $(shell ($(PHDF5_MPICC) -show; pkg-config --modversion $(PHDF5_PKGCONFIG)) 2>/dev/null | sha1sum | cut -c1-16)
-PHDF5_WHEELS   ?= $(HOME)/.cache/dtorch_mpi/wheels/phdf5-$(PHDF5_KEY)
+# against one MPI to another): a fresh clone on the same machine reuses them. The key is
+# computed by the recipe's shell, after apt-get may have installed the compiler (computed when
+# make reads this file, it was the key of nothing on a first run, and the next clone, finding
+# the compiler, looked in another folder and built both again).
+PHDF5_WHEELS   ?=
+phdf5_wheels    = $(or $(PHDF5_WHEELS),$(HOME)/.cache/dtorch_mpi/wheels/phdf5-$$( ($(PHDF5_MPICC) -show; \
+                  pkg-config --modversion $(PHDF5_PKGCONFIG)) 2>/dev/null | sha1sum | cut -c1-16))
 DEBIAN_PACKAGES := mpich libmpich-dev libhdf5-mpich-dev pkg-config
 
 # Open MPI refuses to start as root and to put more ranks than cores on a node; MPICH and
@@ -98,22 +102,22 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 	test -x $(PHDF5_VENV)/bin/python || $(PYTHON) -m venv $(PHDF5_VENV)
 	@echo "==> [$(PHDF5_VENV)] installing build tools and numpy (seconds)"
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --upgrade pip "setuptools>=77" cython pkgconfig numpy wheel
-	@if ls $(PHDF5_WHEELS)/mpi4py-*.whl >/dev/null 2>&1; then \
-	  echo "==> [$(PHDF5_VENV)] mpi4py: reusing the wheel built earlier against this MPI ($(PHDF5_WHEELS))"; \
+	@if ls $(phdf5_wheels)/mpi4py-*.whl >/dev/null 2>&1; then \
+	  echo "==> [$(PHDF5_VENV)] mpi4py: reusing the wheel built earlier against this MPI ($(phdf5_wheels))"; \
 	else \
 	  echo "==> [$(PHDF5_VENV)] building mpi4py from source against $(PHDF5_MPICC) (about 2 min, once per MPI)"; \
 	  MPICC=$(PHDF5_MPICC) $(PHDF5_VENV)/bin/pip wheel $(PIP_INSTALL) --no-cache-dir --no-deps \
-	    --no-binary=mpi4py -w $(PHDF5_WHEELS) "mpi4py>=4"; \
+	    --no-binary=mpi4py -w $(phdf5_wheels) "mpi4py>=4"; \
 	fi
-	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(PHDF5_WHEELS) mpi4py
-	@if ls $(PHDF5_WHEELS)/h5py-*.whl >/dev/null 2>&1; then \
+	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(phdf5_wheels) mpi4py
+	@if ls $(phdf5_wheels)/h5py-*.whl >/dev/null 2>&1; then \
 	  echo "==> [$(PHDF5_VENV)] h5py: reusing the wheel built earlier against this MPI and HDF5"; \
 	else \
 	  echo "==> [$(PHDF5_VENV)] building h5py from source against $(PHDF5_PKGCONFIG) (about 3-10 min, once per MPI)"; \
 	  CC=$(PHDF5_MPICC) HDF5_MPI=ON HDF5_PKGCONFIG_NAME=$(PHDF5_PKGCONFIG) $(PHDF5_VENV)/bin/pip wheel \
-	    $(PIP_INSTALL) --no-cache-dir --no-deps --no-binary=h5py --no-build-isolation -w $(PHDF5_WHEELS) h5py; \
+	    $(PIP_INSTALL) --no-cache-dir --no-deps --no-binary=h5py --no-build-isolation -w $(phdf5_wheels) h5py; \
 	fi
-	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(PHDF5_WHEELS) h5py
+	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(phdf5_wheels) h5py
 	@echo "==> [$(PHDF5_VENV)] installing the test tools and the package (seconds)"
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) xxhash pytest pytest-mpi pytest-timeout hypothesis
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --no-deps -e .
@@ -124,19 +128,26 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 install-phdf5: $(PHDF5_STAMP)
 
 # The GPU backends on the emulated device (tests/emulated_cupy: a test double of CuPy and NCCL,
-# not a GPU): every device-array test once per backend. `make test` runs a short pass of it.
-GPU_BACKENDS := nccl,cuda-aware-mpi,host-staging
-GPU_EMULATED_TESTS := tests/test_gpu.py tests/test_redistribute.py tests/test_ops.py
-GPU_EMULATED_SHORT := -k "not training" tests/test_gpu.py tests/test_redistribute.py
+# not a GPU): the device-array tests once per backend, on the auto path. `make test` runs a
+# short pass of it (EMULATED=0 skips it); `make test-gpu-emulated` the whole one at $(SIZES).
+EMULATED ?= 1
+comma := ,
+GPU_EMULATED_TESTS := tests/test_gpu.py,tests/test_redistribute.py,tests/test_ops.py
+GPU_EMULATED_SHORT := tests/test_gpu.py,tests/test_redistribute.py
+emulated_pass = --extra-pass "emulated-$(1) sizes=$(2) paths=auto device=emulated env=DTORCH_GPU_BACKEND=$(1) tests=$(3)"
+ifeq ($(EMULATED),1)
+EMULATED_ARGS := $(call emulated_pass,nccl,2$(comma)4,$(GPU_EMULATED_SHORT)) \
+  $(call emulated_pass,cuda-aware-mpi,2,$(GPU_EMULATED_SHORT)) $(call emulated_pass,host-staging,3,$(GPU_EMULATED_SHORT))
+else
+EMULATED_ARGS :=
+endif
 
 test: $(TEST_DEPS)
-	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS)
-	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes 2,4 --paths auto --device emulated \
-	  --gpu-backends $(GPU_BACKENDS) -- $(GPU_EMULATED_SHORT)
+	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS) $(EMULATED_ARGS)
 
 test-gpu-emulated: $(STAMP)
-	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths auto --device emulated \
-	  --gpu-backends $(GPU_BACKENDS) $(GPU_EMULATED_TESTS)
+	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --only-extra \
+	  $(foreach b,nccl cuda-aware-mpi host-staging,$(call emulated_pass,$(b),$(SIZES),$(GPU_EMULATED_TESTS)))
 
 test-phdf5: $(PHDF5_STAMP)
 	$(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
@@ -167,6 +178,7 @@ plots: $(STAMP)
 
 docs: $(STAMP)
 	$(PY) scripts/gen_signatures.py
+	$(PY) scripts/gen_settings.py
 
 bench: $(STAMP)
 	$(MPIEXEC) -n 2 $(PY) scripts/bench_redistribute.py

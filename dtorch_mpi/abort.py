@@ -15,7 +15,6 @@ out. pytest catches test exceptions itself, so the hook never fires inside a tes
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -24,8 +23,9 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import settings
+
 ENV = "DTORCH_ABORT_ON_EXCEPTION"
-_OFF = ("0", "false", "no", "off")
 
 _installed = False
 _FORWARD_GRACE_S = 0.2
@@ -33,7 +33,7 @@ _FORWARD_GRACE_S = 0.2
 
 def enabled() -> bool:
     """On unless ``DTORCH_ABORT_ON_EXCEPTION`` is ``0``/``false``/``no``/``off``."""
-    return os.environ.get(ENV, "1").strip().lower() not in _OFF
+    return bool(settings.get(ENV))
 
 
 def installed() -> bool:

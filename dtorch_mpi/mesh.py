@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import numpy as np
 from mpi4py import MPI
 
-from . import abort
+from . import abort, settings
 from ._mpi import library_world, node_facts, node_id, node_local_rank
 from .comm import divergence
 from .comm.deadline import wait_request
@@ -36,11 +36,7 @@ def _settings() -> dict[str, object]:
     """The settings that decide which MPI calls the library makes or how long it waits on them:
     agreed at every mesh construction, so no rank runs another collective path, debug check or
     deadline."""
-    from .comm.config import comm_path, spmd_check, spmd_debug
-    from .comm.deadline import collective_timeout
-
-    return {"DTORCH_COMM_PATH": comm_path(), "DTORCH_SPMD_DEBUG": spmd_debug(), "DTORCH_SPMD_CHECK": spmd_check(),
-            "DTORCH_COLLECTIVE_TIMEOUT": collective_timeout()}
+    return settings.agreed()
 
 
 def cached_per_mesh(attr: str, maxsize: int) -> Callable[[F], F]:

@@ -13,12 +13,13 @@ Default seed: 0 (or ``DTORCH_SEED``); every rank must make the same sequence of 
 
 from __future__ import annotations
 
-import os
 import threading
 from math import prod
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from . import settings
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -45,7 +46,7 @@ def state() -> tuple[int, int]:
     """``(seed, calls so far)``: what must agree across ranks (checked in SPMD debug mode)."""
     global _seed
     if _seed is None:
-        _seed = int(os.environ.get("DTORCH_SEED", "0")) & _MASK
+        _seed = int(settings.get("DTORCH_SEED")) & _MASK
     return _seed, _calls
 
 

@@ -1,67 +1,166 @@
 #!/usr/bin/env python3
 """Run the test suite in one process and under mpiexec at several sizes and comm paths.
 
-Every run is bounded (``--run-timeout``); a hung run is killed and counted as failed. The
-last line is the total over all runs, ``total: N passed, N failed, N skipped``.
+A *pass* is one Python stack (interpreter, launcher, test files, extra environment) run at each
+world size on each collective path (the 1-process run on its first path only: nothing reaches
+the collective backend at one rank); the pip stack is the first pass, the parallel-HDF5 stack
+(``--phdf5-python``) and any ``--extra-pass`` follow. On every path but a pass's first, pytest
+gets ``--skip-path-independent`` (tests marked ``path_independent`` ran already); under mpiexec
+the tests marked ``rank_independent`` are deselected by tests/conftest.py (they ran in the
+1-process run). Results are read from each run's JUnit XML report (rank 0 writes it; its
+verdicts are every rank's). Every run is bounded (``--run-timeout``); a hung run is killed, and a
+run that exits non-zero without a report (or without a failure in it) counts one failure.
+The last line is the total over all runs, ``total: N passed, N failed, N skipped``.
 
-Each stack (the pip venv; optionally the parallel-HDF5 venv) runs with its own launcher, which
-is also handed to its tests as ``MPIEXEC`` (tests that start their own ``mpiexec`` must use the
-launcher of the MPI their Python was built against). pytest runs with ``--color=no``: Open MPI
-gives each rank a pseudo-terminal, and the summary lines parsed here must be plain text.
+Each stack runs with its own launcher, which is also handed to its tests as ``MPIEXEC`` (tests
+that start their own ``mpiexec`` must use the launcher of the MPI their Python was built
+against). pytest runs with ``--color=no``: Open MPI gives each rank a pseudo-terminal.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shlex
 import subprocess
 import sys
 import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEYS = ("passed", "failed", "errors", "skipped")
+OK = (0, 5)  # 5: pytest collected nothing (every test of the run deselected), not a failure
 
 
-def run(cmd: list[str], env: dict[str, str], limit: int) -> tuple[int, str]:
-    print(f"\n=== {' '.join(shlex.quote(c) for c in cmd)}  [DTORCH_COMM_PATH={env.get('DTORCH_COMM_PATH', 'auto')}]",
-          flush=True)
+@dataclass
+class Pass:
+    """One stack's runs: ``sizes`` x ``paths``, each ``python -m pytest tests...``."""
+
+    name: str
+    python: str
+    mpiexec: str
+    sizes: list[int]
+    paths: list[str]
+    tests: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    pytest_args: list[str] = field(default_factory=list)  # device=, k=
+
+
+@dataclass
+class Result:
+    label: str
+    rc: int
+    seconds: float
+    counts: dict[str, int]
+    reported: bool  # whether a JUnit report was read
+
+
+def parse_pass(text: str, defaults: Pass) -> Pass:
+    """``NAME [python=P] [mpiexec=M] [sizes=1,2] [paths=auto] [env=K=V]... [tests=a.py,b.py]
+    [device=emulated|cuda] [k=EXPR]``: a pass added to the plan (an emulated-device run, another
+    MPI); ``device`` is pytest's ``--device``, ``k`` its ``-k``; unset fields come from the pip
+    stack."""
+    words = shlex.split(text)
+    if not words or "=" in words[0]:
+        raise SystemExit(f"--extra-pass {text!r}: begin with the pass's name")
+    spec = Pass(words[0], defaults.python, defaults.mpiexec, list(defaults.sizes), list(defaults.paths),
+                list(defaults.tests), {})
+    for word in words[1:]:
+        key, _, value = word.partition("=")
+        if key == "python":
+            spec.python = value
+        elif key == "mpiexec":
+            spec.mpiexec = value
+        elif key == "sizes":
+            spec.sizes = [int(s) for s in value.split(",")]
+        elif key == "paths":
+            spec.paths = value.split(",")
+        elif key == "tests":
+            spec.tests = value.split(",")
+        elif key == "env" and "=" in value:
+            name, _, setting = value.partition("=")
+            spec.env[name] = setting
+        elif key == "device":
+            spec.pytest_args += ["--device", value]
+        elif key == "k":
+            spec.pytest_args += ["-k", value]
+        else:
+            raise SystemExit(f"--extra-pass {text!r}: {word!r} is not python=, mpiexec=, sizes=, paths=, "
+                             f"env=NAME=VALUE, tests=, device= or k=")
+    return spec
+
+
+def plan(passes: list[Pass]) -> list[tuple[Pass, str, int, bool]]:
+    """Every run: (pass, path, size, whether the path is the pass's first). The 1-process run is
+    made on a pass's first path only: at one rank no collective reaches the backend
+    (comm/prologue.py: a group of one returns at once), so the path cannot change it (the tests
+    that launch their own mpiexec are rank_independent and path_independent)."""
+    return [(spec, path, size, i == 0) for spec in passes for i, path in enumerate(spec.paths)
+            for size in spec.sizes if i == 0 or size > 1]
+
+
+def report_counts(path: str) -> dict[str, int] | None:
+    """passed/failed/errors/skipped from a pytest JUnit XML report (None when there is none)."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return None
+    got = dict.fromkeys(KEYS, 0)
+    for suite in root.iter("testsuite"):
+        tests, failed, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+        got["failed"] += failed
+        got["errors"] += errors
+        got["skipped"] += skipped
+        got["passed"] += tests - failed - errors - skipped
+    return got
+
+
+def run(cmd: list[str], env: dict[str, str], limit: int) -> int:
+    """Run ``cmd`` with its output passed through; killed (exit 124) after ``limit`` seconds."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
-    lines: list[str] = []
     assert proc.stdout is not None
     try:
         for line in proc.stdout:
             sys.stdout.write(line)
-            lines.append(line)
             if time.monotonic() - start > limit:
                 raise subprocess.TimeoutExpired(cmd, limit)
-        rc = proc.wait(timeout=max(1, limit - (time.monotonic() - start)))
+        return proc.wait(timeout=max(1, limit - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.wait()
         print(f"!!! run exceeded {limit}s and was killed", flush=True)
-        rc = 124
-    print(f"=== exit {rc} after {time.monotonic() - start:.1f}s", flush=True)
-    return rc, "".join(lines)
+        return 124
 
 
-def counts(text: str) -> dict[str, int]:
-    summary = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", ln)]
-    result = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-    if summary:
-        last = summary[-1]
-        for key, word in (("passed", "passed"), ("failed", "failed"), ("skipped", "skipped"),
-                          ("errors", "error")):
-            m = re.search(rf"(\d+) {word}", last)
-            if m:
-                result[key] = int(m.group(1))
-    return result
+def run_one(spec: Pass, path: str, size: int, first_path: bool, extra: list[str], limit: int) -> Result:
+    label = f"{spec.name} {path} n={size}"
+    logdir = os.path.join(ROOT, ".mpi-logs", f"{spec.name}-{path}-n{size}")
+    os.makedirs(logdir, exist_ok=True)
+    junit = os.path.join(logdir, "junit.xml")
+    if os.path.exists(junit):
+        os.remove(junit)
+    env = dict(os.environ, **spec.env, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1", MPIEXEC=spec.mpiexec,
+               DTORCH_TEST_LOGDIR=logdir)
+    pytest_cmd = [spec.python, "-m", "pytest", "-q", "--color=no", f"--junitxml={junit}", *spec.pytest_args,
+                  *spec.tests, *extra]
+    if not first_path:
+        pytest_cmd.append("--skip-path-independent")
+    cmd = pytest_cmd if size == 1 else [*shlex.split(spec.mpiexec), "-n", str(size),
+                                        os.path.join(ROOT, "tests", "rank_wrapper.sh"), *pytest_cmd, "--with-mpi"]
+    print(f"\n=== {' '.join(shlex.quote(c) for c in cmd)}  [DTORCH_COMM_PATH={path}]", flush=True)
+    start = time.monotonic()
+    rc = run(cmd, env, limit)
+    seconds = time.monotonic() - start
+    print(f"=== exit {rc} after {seconds:.1f}s", flush=True)
+    got = report_counts(junit)
+    return Result(label, rc, seconds, got or dict.fromkeys(KEYS, 0), got is not None)
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mpiexec", default=os.environ.get("MPIEXEC", "mpiexec"), help="the pip stack's launcher")
     ap.add_argument("--sizes", default="1,2,3,4", help="world sizes; 1 runs without mpiexec")
     ap.add_argument("--paths", default="auto,variable,padded", help="DTORCH_COMM_PATH values")
@@ -69,48 +168,41 @@ def main() -> int:
     ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
     ap.add_argument("--phdf5-mpiexec", default="mpiexec", help="the parallel-HDF5 stack's launcher")
     ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py")
-    ap.add_argument("--device", default="", choices=("", "emulated", "cuda"),
-                    help="pytest --device: emulated (tests/emulated_cupy, a test double) or cuda (a real GPU)")
-    ap.add_argument("--gpu-backends", default="",
-                    help="DTORCH_GPU_BACKEND values: every run once per backend (with --device)")
+    ap.add_argument("--extra-pass", action="append", default=[], metavar="SPEC",
+                    help="another pass after the others: 'NAME [python=P] [mpiexec=M] [sizes=1,2] [paths=auto] "
+                         "[env=K=V]... [tests=a.py,b.py] [device=emulated] [k=EXPR]' (unset fields: the pip stack's)")
+    ap.add_argument("--only-extra", action="store_true", help="run the --extra-pass passes only")
     ap.add_argument("pytest_args", nargs="*", default=[])
     args = ap.parse_args()
-    python = sys.executable
-    total = {"passed": 0, "failed": 0, "skipped": 0, "errors": 0}
-    bad_runs = []
-    stacks = [("pip", python, args.mpiexec, args.paths.split(","), args.pytest_args)]
+    pip = Pass("pip", sys.executable, args.mpiexec, [int(s) for s in args.sizes.split(",")], args.paths.split(","))
+    passes = [pip]
     if args.phdf5_python:
-        stacks.append(("phdf5", args.phdf5_python, args.phdf5_mpiexec, ["auto"],
-                       args.phdf5_tests.split() + args.pytest_args))
-    device = ["--device", args.device] if args.device else []
-    gpu_backends = args.gpu_backends.split(",") if args.gpu_backends else [""]
-    runs = [(stack, py, mpx, path, size, extra, gpu) for stack, py, mpx, paths, extra in stacks
-            for path in paths for size in (int(s) for s in args.sizes.split(",")) for gpu in gpu_backends]
-    for stack, py, mpiexec, path, size, extra, gpu in runs:
-        env = dict(os.environ, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1", MPIEXEC=mpiexec)
-        if gpu:
-            env["DTORCH_GPU_BACKEND"] = gpu
-            print(f"\n--- DTORCH_GPU_BACKEND={gpu} {' '.join(device)}", flush=True)
-        env["DTORCH_TEST_LOGDIR"] = os.path.join(ROOT, ".mpi-logs", f"{stack}-{path}-n{size}{'-' + gpu if gpu else ''}")
-        pytest_cmd = [py, "-m", "pytest", "-q", "--color=no", *device, *extra]
-        if size == 1:
-            cmd = pytest_cmd
-        else:
-            cmd = [*shlex.split(mpiexec), "-n", str(size),
-                   os.path.join(ROOT, "tests", "rank_wrapper.sh"), *pytest_cmd, "--with-mpi"]
-        rc, text = run(cmd, env, args.run_timeout)
-        got = counts(text)
-        for k in total:
-            total[k] += got[k]
-        if rc not in (0,):
-            bad_runs.append(f"{stack} {path} n={size}{' ' + gpu if gpu else ''} (exit {rc})")
-            if got["failed"] == 0 and got["errors"] == 0:
+        passes.append(Pass("phdf5", args.phdf5_python, args.phdf5_mpiexec, pip.sizes, ["auto"],
+                           args.phdf5_tests.split()))
+    passes += [parse_pass(text, pip) for text in args.extra_pass]
+    if args.only_extra:
+        passes = passes[1 + bool(args.phdf5_python):]
+
+    results = [run_one(spec, path, size, first, args.pytest_args, args.run_timeout)
+               for spec, path, size, first in plan(passes)]
+
+    total = dict.fromkeys(KEYS, 0)
+    bad_runs = []
+    print("\nruns:")
+    for r in results:
+        for k in KEYS:
+            total[k] += r.counts[k]
+        c = r.counts
+        print(f"  {r.label:<24} {r.seconds:6.1f}s  {c['passed']} passed, {c['failed'] + c['errors']} failed, "
+              f"{c['skipped']} skipped" + ("" if r.reported else "  (no report)"))
+        if r.rc not in OK:
+            bad_runs.append(f"{r.label} (exit {r.rc})")
+            if c["failed"] == 0 and c["errors"] == 0:
                 total["failed"] += 1
-    print()
+    print(f"  {'all runs':<24} {sum(r.seconds for r in results):6.1f}s")
     if bad_runs:
         print("failed runs: " + ", ".join(bad_runs))
-    print(f"total: {total['passed']} passed, {total['failed'] + total['errors']} failed, "
-          f"{total['skipped']} skipped")
+    print(f"total: {total['passed']} passed, {total['failed'] + total['errors']} failed, {total['skipped']} skipped")
     return 1 if bad_runs else 0
 
 

@@ -42,6 +42,46 @@ except ImportError:
     pass
 
 
+RANK_INDEPENDENT = "rank_independent"
+PATH_INDEPENDENT = "path_independent"
+RUN_ONCE = [getattr(pytest.mark, RANK_INDEPENDENT), getattr(pytest.mark, PATH_INDEPENDENT)]
+"""The marks of a test whose result depends on neither the rank count nor the collective path
+(a pure function, or one that launches its own mpiexec jobs): it runs once, in the 1-process
+run on the first path. Which file takes which mark, and why: docs/testing.md."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--skip-path-independent", action="store_true",
+                     help="this run repeats a collective path already run: deselect the tests marked "
+                          f"{PATH_INDEPENDENT} (scripts/run_tests.py passes it on every path but the first)")
+    _add_device_option(parser)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Only rank 0 writes ``--junitxml`` (its verdicts are every rank's: the collective verdict
+    below); the other ranks would overwrite the same file."""
+    if RANK > 0 and getattr(config.option, "xmlpath", None):
+        config.option.xmlpath = None
+    _configure_device(config)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect what this run adds nothing to: ``rank_independent`` tests under mpiexec (they
+    ran in the 1-process run), with ``--skip-path-independent`` ``path_independent`` ones, and
+    with ``--device`` everything but the device-array cases. The same on every rank (marks and options are), so every rank runs the same tests."""
+    skip_paths = config.getoption("--skip-path-independent")
+    off_device = {id(item) for item in _select_for_device(items)}
+    keep, drop = [], []
+    for item in items:
+        repeat = (SIZE > 1 and item.get_closest_marker(RANK_INDEPENDENT) is not None) or (
+            skip_paths and item.get_closest_marker(PATH_INDEPENDENT) is not None)
+        (drop if repeat or id(item) in off_device else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
@@ -169,14 +209,14 @@ if DEVICE == "emulated":  # the test double of a GPU (tests/emulated_cupy), impo
     assert _emulated.EMULATED, _emulated.__file__
 
 
-def pytest_addoption(parser: pytest.Parser) -> None:
+def _add_device_option(parser: pytest.Parser) -> None:
     parser.addoption("--device", default="auto", choices=("auto", "emulated", "cuda"),
                      help="the device of the CuPy array backend: auto (a real GPU where there is one), emulated "
                           "(tests/emulated_cupy, a test double of CuPy and NCCL over MPI: only the device-array "
                           "cases run), cuda (a real GPU required: only the device-array cases run)")
 
 
-def pytest_configure(config: pytest.Config) -> None:
+def _configure_device(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "device: runs in a --device pass too (a test of the GPU path itself)")
     if config.getoption("device") != DEVICE and "DTORCH_TEST_DEVICE" not in os.environ:
         raise pytest.UsageError(f"--device {config.getoption('device')!r} was not seen at import ({DEVICE!r})")
@@ -185,19 +225,18 @@ def pytest_configure(config: pytest.Config) -> None:
                                 "(--device emulated is the test double)")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _select_for_device(items: list[pytest.Item]) -> list[pytest.Item]:
     """With a device chosen, only the device-array cases and the ``device``-marked tests run (the
     CPU pass runs everything else)."""
     if DEVICE == "auto":
-        return
-    keep, drop = [], []
+        return []
+    drop = []
     for item in items:
         params = getattr(item, "callspec", None)
         on_device = params is not None and any(params.params.get(f) == "cuda" for f in DEVICE_PARAMETRISED)
-        (keep if on_device or item.get_closest_marker("device") else drop).append(item)
-    if drop:
-        config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+        if not (on_device or item.get_closest_marker("device")):
+            drop.append(item)
+    return drop
 
 
 DEVICE_PARAMETRISED = ("xp_mesh1d", "xp_mesh2d", "any_mesh")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,36 +20,19 @@ import numpy as np
 import pytest
 import test_ops
 from conftest import SIZE, Checker
+from helpers import P1, P2, numeric_grad
 from test_ops import MATMUL_SHAPES, assert_all_rules_ran, dist, placement_for
-from test_redistribute import P1, P2
 
 import dtorch_mpi as dt
 
 R = dt.Replicate()
 rule_hits = test_ops.rule_hits  # the fixture that records which forward rules ran
-op_tests_only_on_auto = pytest.mark.skipif(
-    os.environ.get("DTORCH_COMM_PATH", "auto") != "auto",
-    reason="operator backward never communicates: one collective path is enough")
+op_tests_only_on_auto = pytest.mark.path_independent  # operator backward never communicates
 
 
 def values(shape: tuple[int, ...], seed: int, low: float = 0.5, high: float = 2.0) -> np.ndarray:
     """Distinct non-integer values in an interval (no ties, no kinks of floor/abs/relu)."""
     return np.random.default_rng(seed).uniform(low, high, size=shape)
-
-
-def numeric_grad(f: Callable[..., np.ndarray], arrays: Sequence[np.ndarray], i: int,
-                 cot: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """d sum(f(arrays) * cot) / d arrays[i] by central differences in float64."""
-    base = [a.astype(np.float64).copy() for a in arrays]
-    grad = np.zeros_like(base[i])
-    flat = grad.reshape(-1)
-    for j in range(base[i].size):
-        plus = [a.copy() for a in base]
-        minus = [a.copy() for a in base]
-        plus[i].reshape(-1)[j] += eps
-        minus[i].reshape(-1)[j] -= eps
-        flat[j] = (np.sum(f(*plus) * cot) - np.sum(f(*minus) * cot)) / (2 * eps)
-    return grad
 
 
 def expected_grad_placement(inp: dt.Placement, out: dt.Placement) -> dt.Placement:

@@ -16,6 +16,10 @@ from mpi4py import MPI
 
 import dtorch_mpi as dt
 
+# errors are raised before any collective, or agreed through spmd.py's own exchange (not the
+# collective path)
+pytestmark = pytest.mark.path_independent
+
 WORLD = MPI.COMM_WORLD
 
 

@@ -12,20 +12,21 @@ import h5py
 import numpy as np
 import pytest
 from conftest import RANK, SIZE, Checker
+from helpers import full_value, make_pieces, patch_bytes
 from mpi4py import MPI
 from mpi_launch import child_env, run
-from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import hdf5 as ck
 from dtorch_mpi.checkpoint.checksum import checksum
 
+# the checkpoint's own exchanges are plain MPI Allgather/Bcast; its one path-dependent step (a
+# Partial is reduce-scattered before it is saved) is a redistribute, checked on every path by
+# test_redistribute and test_mpi_trace
+pytestmark = pytest.mark.path_independent
+
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
-
-
-def full_value(shape: tuple[int, ...], seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(-9, 9, size=shape).astype(np.float64)
 
 
 def state(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shape: tuple[int, ...]) -> tuple[dict, dict]:
@@ -264,26 +265,14 @@ def _replace(f: h5py.File, name: str, make: Any) -> None:
         f[name].attrs.update(attrs)
 
 
-def _patch_bytes(path: str, name: str, edit: Any) -> None:
-    """Edit dataset ``name``'s stored bytes in place, found with ``get_offset``."""
-    with h5py.File(path, "r") as f:
-        offset, size = f[name].id.get_offset(), f[name].id.get_storage_size()
-    with open(path, "r+b") as fh:
-        fh.seek(offset)
-        data = bytearray(fh.read(size))
-        edit(data)
-        fh.seek(offset)
-        fh.write(bytes(data))
-
-
 def _craft(kind: str, path: str, d: str) -> None:
     """Damage a valid checkpoint at ``path`` (rank 0 only); ``d`` holds any side files."""
     value = full_value((N_ROWS, 3), 1)
     if kind == "bit_flip":
-        _patch_bytes(path, "layer1/w", lambda b: b.__setitem__(11, b[11] ^ 0x10))
+        patch_bytes(path, "layer1/w", lambda b: b.__setitem__(11, b[11] ^ 0x10))
         return
     if kind == "zeroed":
-        _patch_bytes(path, "layer1/w", lambda b: b.__setitem__(slice(0, len(b) // 4), bytes(len(b) // 4)))
+        patch_bytes(path, "layer1/w", lambda b: b.__setitem__(slice(0, len(b) // 4), bytes(len(b) // 4)))
         return
     with h5py.File(path, "r+") as f:
         secret = os.path.join(d, "secret.bin")
@@ -733,9 +722,9 @@ def _craft_scalar(kind: str, path: str) -> None:
         elif kind == "hyperparameter_type":
             put("optim/param_groups/0/lr", np.frombuffer(b"fast", dtype=np.uint8), "str")
     if kind == "scalar_bit_flip":
-        _patch_bytes(path, "step", lambda data: data.__setitem__(0, data[0] ^ 1))
+        patch_bytes(path, "step", lambda data: data.__setitem__(0, data[0] ^ 1))
     elif kind == "moment_bit_flip":
-        _patch_bytes(path, "optim/state/1/exp_avg_sq", lambda data: data.__setitem__(3, data[3] ^ 16))
+        patch_bytes(path, "optim/state/1/exp_avg_sq", lambda data: data.__setitem__(3, data[3] ^ 16))
     elif kind == "moment_shape":
         with h5py.File(path, "r+") as f:
             _replace(f, "optim/state/0/exp_avg", lambda g, n: g.create_dataset(n, data=np.zeros((1, 3))))
@@ -806,7 +795,7 @@ except dt.CheckpointError as exc:
 """
 
 
-@pytest.mark.skipif(SIZE > 1, reason="launches its own process; runs in the 1-process pass")
+@pytest.mark.rank_independent  # launches its own process
 @pytest.mark.parametrize("missing, needs", [(["h5py", "xxhash"], "need h5py"), (["xxhash"], "need xxhash")])
 def test_the_package_imports_and_computes_without_the_checkpoint_extras(missing: list[str], needs: str) -> None:
     """h5py and xxhash come with the hdf5 extra: importing dtorch_mpi and computing need

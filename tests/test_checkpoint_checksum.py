@@ -11,8 +11,12 @@ from math import prod
 
 import numpy as np
 import pytest
+from conftest import RUN_ONCE
 
 from dtorch_mpi.checkpoint import checksum as ck
+
+# a pure function: every rank checks the same cases, no communication
+pytestmark = RUN_ONCE
 
 MASK = (1 << 64) - 1
 

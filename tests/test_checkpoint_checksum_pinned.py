@@ -13,8 +13,12 @@ from math import prod
 
 import numpy as np
 import pytest
+from conftest import RUN_ONCE
 
 from dtorch_mpi.checkpoint import checksum as ck
+
+# a pure function: every rank checks the same cases, no communication
+pytestmark = RUN_ONCE
 
 W = 1 << 16
 # name: (dtype, block shape, offset, global shape, pinned lin64)

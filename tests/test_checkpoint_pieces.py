@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 import xxhash
 from conftest import RANK, SIZE, Checker
+from helpers import full_value, make_pieces, patch_bytes
 from mpi4py import MPI
-from test_checkpoint import _patch_bytes, full_value
-from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import reader
+
+# as test_checkpoint.py: the piece tables travel in a plain MPI Allgather
+pytestmark = pytest.mark.path_independent
 
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D: list[list[dt.Placement]] = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
@@ -95,7 +97,7 @@ def test_replicate_target_of_a_one_piece_save_is_exact(mesh1d: dt.DeviceMesh, sh
 
 
 def _flip(path: str, name: str, at: int) -> None:
-    _patch_bytes(path, name, lambda b: b.__setitem__(at, b[at] ^ 0x40))
+    patch_bytes(path, name, lambda b: b.__setitem__(at, b[at] ^ 0x40))
 
 
 @pytest.mark.parametrize("staging", STAGINGS)

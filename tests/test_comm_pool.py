@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from conftest import SIZE, Checker, lengths_for
-from test_redistribute import P1, P2, integer_full, make_pieces
+from helpers import P1, P2, integer_full, make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import pool

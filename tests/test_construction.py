@@ -146,6 +146,7 @@ FACTORIES = [
 ]
 
 
+@pytest.mark.path_independent  # factories make each piece locally
 def test_factories_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
     for mesh, plist in ((mesh1d, placements_1d()), (mesh2d, placements_2d())):
         for n in lengths_for(mesh.size()):

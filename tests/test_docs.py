@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
-from mpi4py import MPI
+from conftest import RUN_ONCE
+
+pytestmark = RUN_ONCE  # reads files and imports modules: no communication
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="checked once, in the 1-process pass")
 def test_signature_doc_is_current() -> None:
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     try:
@@ -37,3 +37,13 @@ def test_api_page_names_real_public_modules() -> None:
         assert exported, f"{name} is listed as API in docs/api.md but has no __all__"
         missing = [n for n in exported if not hasattr(module, n)]
         assert not missing, f"{name}.__all__ names what it lacks: {missing}"
+
+
+def test_settings_doc_is_current() -> None:
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        from gen_settings import render
+    finally:
+        sys.path.pop(0)
+    with open(os.path.join(ROOT, "docs", "settings.md")) as fh:
+        assert fh.read() == render(), "docs/settings.md is stale: run scripts/gen_settings.py"

@@ -8,12 +8,13 @@ import sys
 import tempfile
 
 import numpy as np
-import pytest
-from mpi4py import MPI
+from conftest import RUN_ONCE
 from mpi_launch import child_env, mpiexec
 from mpi_launch import run as launch
 
-pytestmark = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches mpiexec; runs in the 1-process pass")
+# launches its own mpiexec jobs (1-4 ranks) of the examples, end-to-end demos: every collective
+# they make is checked on every path by test_redistribute, test_comm and test_mpi_trace
+pytestmark = RUN_ONCE
 
 
 def run(n: int, *args: str) -> str:

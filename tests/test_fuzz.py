@@ -10,9 +10,9 @@ from typing import Any
 
 import numpy as np
 from conftest import SIZE
+from helpers import make_pieces
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 

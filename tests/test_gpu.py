@@ -12,22 +12,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import CUDA_ID, RANK, SIZE, Checker
+from conftest import ARRAY_BACKENDS, HAVE_GPU, RANK, SIZE, Checker, on_mesh, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import Group, gpu
 from dtorch_mpi.comm.prologue import Prologued
 
 try:
-    import cupy
-
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:
-    HAVE_GPU = False
+    import cupy  # the real CuPy, or the emulated device's (conftest put it first on sys.path)
+except ImportError:
+    cupy = None
 
 pytestmark = pytest.mark.device  # every test here runs in a --device pass too
-
-BACKENDS = [pytest.param("cpu", id="cpu")] + ([pytest.param("cuda", id=CUDA_ID)] if HAVE_GPU else [])
 
 
 def test_backend_selection() -> None:
@@ -133,22 +129,18 @@ def test_nccl_names_its_calls() -> None:
     assert nccl.call_for("all_gather", None, None, {"sizes": (1, 0)}) == ("allGather", True)
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=ARRAY_BACKENDS)  # GPU detection agreed across ranks (conftest)
 def any_mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
     mesh = dt.init_device_mesh(request.param, (SIZE,))
     yield mesh
     mesh.free()
 
 
-def to_numpy(a: Any) -> np.ndarray:
-    return a.get() if hasattr(a, "get") else np.asarray(a)
-
-
 def test_one_body_every_array_backend(any_mesh: dt.DeviceMesh, check: Checker) -> None:
     """Factories, RNG, redistribute, operators and state_dict: same results on NumPy and CuPy."""
     n = 2 * SIZE + 1
     full = np.arange(n * 4, dtype=np.float32).reshape(n, 4)
-    x = dt.distribute_tensor(full if any_mesh.device_type == "cpu" else cupy.asarray(full), any_mesh, [dt.Shard(0)])
+    x = dt.distribute_tensor(on_mesh(any_mesh, full), any_mesh, [dt.Shard(0)])
     for dst in ([dt.Shard(1)], [dt.Replicate()], [dt.Partial()]):
         check.equal(to_numpy(x.redistribute(placements=dst).to_torch()), full, f"{any_mesh.device_type} {dst}")
     y = (x * 2 + 1).sum(0)

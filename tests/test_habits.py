@@ -21,6 +21,9 @@ from conftest import SIZE, Checker, lengths_for, reference
 import dtorch_mpi as dt
 from dtorch_mpi import nn
 
+# metadata decisions and all_reduce (whose MPI call is the same on every path)
+pytestmark = pytest.mark.path_independent
+
 R, S0, S1 = dt.Replicate(), dt.Shard(0), dt.Shard(1)
 ERF = np.vectorize(math.erf, otypes=[np.float64])
 

@@ -10,10 +10,13 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from conftest import SIZE, Checker, reference
-from test_autograd import numeric_grad
+from helpers import numeric_grad
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import functional as F
+
+# the losses communicate with all_reduce only (the same MPI call on every path)
+pytestmark = pytest.mark.path_independent
 
 R, S0, S1, S2 = dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Shard(2)
 

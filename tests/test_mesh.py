@@ -9,6 +9,9 @@ from mpi4py import MPI
 
 import dtorch_mpi as dt
 
+# mesh construction, groups and the settings agreement: no collective of the backend
+pytestmark = pytest.mark.path_independent
+
 
 def test_1d_mesh_members(mesh1d: dt.DeviceMesh) -> None:
     assert mesh1d.shape == (SIZE,) and mesh1d.ndim == 1 and mesh1d.size() == SIZE

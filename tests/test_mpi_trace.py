@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import SIZE, WORLD, Checker, lengths_for
+from helpers import P1, P2, make_pieces
+from helpers import local_of as local_piece
 from mpi4py import MPI
-from test_redistribute import P1, P2, make_pieces
-from test_redistribute import local_of as local_piece
 
 import dtorch_mpi as dt
 from dtorch_mpi.comm import Group

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 from conftest import RANK, SIZE, Checker, lengths_for, reference
-from test_autograd import numeric_grad
+from helpers import numeric_grad
 
 import dtorch_mpi as dt
 from dtorch_mpi import nn
@@ -51,6 +51,7 @@ def _inputs(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]]) -> list[tupl
     return out
 
 
+@pytest.mark.path_independent  # elementwise layers never communicate
 def test_elementwise_every_placement(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, check: Checker) -> None:
     for mesh, layouts in ((mesh1d, [[S0], [S1], [R]]), (mesh2d, [[S0, S1], [R, S0], [S1, R], [R, R]])):
         for full, x in _inputs(mesh, layouts):

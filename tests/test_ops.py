@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import SIZE, Checker
+from helpers import make_pieces
 from hypothesis import given
 from hypothesis import strategies as st
-from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.ops import OPS, Op, apply, dispatch, planners
@@ -198,6 +198,7 @@ CASES: dict[Any, Callable[[Op, dt.DeviceMesh], Any]] = {
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
+@pytest.mark.path_independent  # operators never communicate (one path is enough)
 def test_every_declared_op_every_rule(name: str, xp_mesh1d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
     """Generated from the declaration: every rule instantiated on uneven and empty shapes, the
     result equal to the op's NumPy reference, no communication, and every rule exercised."""
@@ -235,6 +236,7 @@ def test_every_declared_op_every_rule(name: str, xp_mesh1d: dt.DeviceMesh, rule_
     assert_all_rules_ran(rule_hits, [name])
 
 
+@pytest.mark.path_independent  # operators never communicate (one path is enough)
 def test_python_operators_and_inplace(xp_mesh1d: dt.DeviceMesh, check: Checker) -> None:
     A, B = positive((SIZE + 2, 3), 1), positive((SIZE + 2, 3), 2)
     a, b = dist(A, xp_mesh1d, [dt.Shard(0)]), dist(B, xp_mesh1d, [dt.Shard(0)])
@@ -269,6 +271,7 @@ def test_mean_of_uneven_shards_is_the_true_mean(mesh1d: dt.DeviceMesh) -> None:
     assert np.isclose(m.to_torch(), full.mean())
 
 
+@pytest.mark.path_independent  # operators never communicate (one path is enough)
 def test_layout_ops(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh, rule_hits: set, check: Checker) -> None:
     full = positive((SIZE + 1, 3, 4), 5)
     for plc in ALL_1D + [dt.Shard(2)]:
@@ -402,6 +405,7 @@ def test_one_bounded_plan_cache_serves_every_operator(mesh1d: dt.DeviceMesh) -> 
     assert dt.ops.cache_info().currsize == 0
 
 
+@pytest.mark.path_independent  # operators never communicate (one path is enough)
 def test_2d_mesh_each_dim_matched_on_its_own(xp_mesh2d: dt.DeviceMesh, check: Checker) -> None:
     A, W = positive((5, 4), 1), positive((4, 3), 2)
     combos = [([dt.Shard(0), dt.Shard(1)], [dt.Replicate(), dt.Shard(0)]),

@@ -86,16 +86,19 @@ def _run(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], check: Checker)
                                    f"{name} {plc}: state {key} has placements {t.placements}")
 
 
+@pytest.mark.path_independent  # the step is local: no collective
 def test_updates_match_pytorch_formulas_1d(mesh1d: dt.DeviceMesh, check: Checker) -> None:
     _run(mesh1d, PLACEMENTS_1D, check)
     check.done()
 
 
+@pytest.mark.path_independent  # the step is local: no collective
 def test_updates_match_pytorch_formulas_2d(mesh2d: dt.DeviceMesh, check: Checker) -> None:
     _run(mesh2d, PLACEMENTS_2D, check)
     check.done()
 
 
+@pytest.mark.path_independent  # the step is local: no collective
 def test_step_moves_no_data(mesh1d: dt.DeviceMesh) -> None:
     p = Parameter(dt.randn(2 * SIZE + 1, 4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)]))
     p.grad = dt.ones(2 * SIZE + 1, 4, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])

@@ -5,12 +5,16 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from conftest import RUN_ONCE
 from hypothesis import given
 from hypothesis import strategies as st
 
 import dtorch_mpi as dt
 from dtorch_mpi.placement import normalize_placements
 from dtorch_mpi.split import local_shape_and_offset, split_offsets, split_range, split_sizes
+
+# pure functions of the rank count they are given: the same at every world size and path
+pytestmark = RUN_ONCE
 
 
 def test_placements_are_values_with_readable_reprs() -> None:

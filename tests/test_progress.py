@@ -107,7 +107,8 @@ print("finalized", flush=True)
 """
 
 
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
+@pytest.mark.rank_independent  # launches its own mpiexec
+@pytest.mark.path_independent  # the progress thread's stop at exit: the same on every path
 @pytest.mark.parametrize("program, ending", [
     (_TRANSFERS_IN_FLIGHT + "print('ended', flush=True)", "ended"),
     (_FINALIZE_AFTER_WAIT_ALL, "finalized"),

@@ -9,6 +9,9 @@ from conftest import SIZE, Checker
 import dtorch_mpi as dt
 from dtorch_mpi import random as rnd
 
+# random values depend on (seed, call) and the layout only; no collective of the backend
+pytestmark = pytest.mark.path_independent
+
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
 LAYOUTS_2D = [[dt.Shard(0), dt.Shard(1)], [dt.Shard(1), dt.Shard(0)], [dt.Shard(0), dt.Shard(0)],
               [dt.Replicate(), dt.Shard(1)], [dt.Replicate(), dt.Replicate()]]

@@ -15,40 +15,11 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, Checker, lengths_for, on_mesh
+from conftest import RANK, SIZE, Checker, lengths_for
+from helpers import P1, P2, integer_full, local_of, make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.split import split_sizes
-
-P1 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max")]
-P2 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("min")]
-
-
-def integer_full(shape: tuple[int, ...], dtype: object = np.float64, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(-50, 50, size=shape).astype(dtype)
-
-
-def make_pieces(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
-    """This rank's piece, with Partial terms that differ per coordinate and reduce to ``full``."""
-    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
-    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))].copy()
-    coord = mesh.get_coordinate()
-    for k, p in enumerate(placements):
-        if not isinstance(p, dt.Partial):
-            continue
-        c, m = coord[k], mesh.shape[k]
-        if p.reduce_op == "sum":
-            piece = piece - sum(range(1, m)) if c == 0 else np.full_like(piece, c)
-        elif p.reduce_op == "max":
-            piece = piece if c == 0 else piece - (c + 1)
-        elif p.reduce_op == "min":
-            piece = piece if c == 0 else piece + (c + 1)
-    return on_mesh(mesh, np.ascontiguousarray(piece.astype(full.dtype)))
-
-
-def local_of(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
-    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
-    return full[tuple(slice(o, o + n) for o, n in zip(off, shape))]
 
 
 def run_pairs(mesh: dt.DeviceMesh, pairs: list[tuple[list, list]], shapes: list[tuple[int, ...]],

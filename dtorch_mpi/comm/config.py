@@ -13,59 +13,37 @@
 
 from __future__ import annotations
 
-import os
+from .. import settings
 
-PATHS = ("auto", "padded", "variable")
-
-_path: str | None = None
+PATHS = settings.COMM_PATHS
 
 
 def comm_path() -> str:
-    global _path
-    if _path is None:
-        set_comm_path(os.environ.get("DTORCH_COMM_PATH", "auto"))
-    assert _path is not None
-    return _path
+    """The collective path of this process (``DTORCH_COMM_PATH``, or ``set_comm_path``)."""
+    return settings.get("DTORCH_COMM_PATH")
 
 
 def set_comm_path(path: str) -> None:
     """Select the collective path for this process (all ranks must select the same)."""
-    global _path
-    if path not in PATHS:
-        raise ValueError(f"DTORCH_COMM_PATH={path!r} is not one of {', '.join(PATHS)}")
-    _path = path
-
-
-_debug: bool | None = None
+    settings.put("DTORCH_COMM_PATH", settings.parse("DTORCH_COMM_PATH", path))
 
 
 def spmd_debug() -> bool:
     """``DTORCH_SPMD_DEBUG=1``: every collective first checks that all ranks of its group make
     the same call (kind, shapes, dtype), raising ``SPMDDivergenceError`` instead of hanging."""
-    global _debug
-    if _debug is None:
-        _debug = os.environ.get("DTORCH_SPMD_DEBUG", "") not in ("", "0")
-    return _debug
+    return settings.get("DTORCH_SPMD_DEBUG")
 
 
 def set_spmd_debug(on: bool) -> None:
-    global _debug
-    _debug = bool(on)
-
-
-_check: bool | None = None
+    settings.put("DTORCH_SPMD_DEBUG", bool(on))
 
 
 def spmd_check() -> bool:
-    """``DTORCH_SPMD_CHECK`` (default ``1``): the default divergence check of collectives of
-    64 KiB or more (comm/divergence.py); ``0`` turns it off (to measure its cost)."""
-    global _check
-    if _check is None:
-        _check = os.environ.get("DTORCH_SPMD_CHECK", "1") not in ("", "0")
-    return _check
+    """``DTORCH_SPMD_CHECK`` (default on): the default divergence check of collectives of
+    64 KiB or more (comm/divergence.py); off only to measure its cost."""
+    return settings.get("DTORCH_SPMD_CHECK")
 
 
 def set_spmd_check(on: bool) -> None:
     """Turn the default divergence check on or off for this process (every rank alike)."""
-    global _check
-    _check = bool(on)
+    settings.put("DTORCH_SPMD_CHECK", bool(on))

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import IO
+
+from .. import settings
 
 _active: list["CommCounter"] = []
 
@@ -96,7 +97,7 @@ def record(
 
 def _install_from_environment() -> None:
     """``DTORCH_COMM_REPORT=1``: count the whole script and print the table at exit (rank 0)."""
-    if os.environ.get("DTORCH_COMM_REPORT", "") not in ("", "0"):
+    if settings.get("DTORCH_COMM_REPORT"):
         import atexit
 
         from mpi4py import MPI

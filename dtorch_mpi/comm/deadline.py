@@ -20,27 +20,18 @@ import traceback
 
 from mpi4py import MPI
 
+from .. import settings
 from ..errors import CollectiveTimeoutError
-
-_timeout: float | None = None
 
 
 def collective_timeout() -> float:
     """Seconds a collective may take (``DTORCH_COLLECTIVE_TIMEOUT``); 0 means no deadline."""
-    global _timeout
-    if _timeout is None:
-        raw = os.environ.get("DTORCH_COLLECTIVE_TIMEOUT", "600")
-        try:
-            _timeout = float(raw)
-        except ValueError:
-            raise ValueError(f"DTORCH_COLLECTIVE_TIMEOUT={raw!r} is not a number of seconds") from None
-    return _timeout
+    return settings.get("DTORCH_COLLECTIVE_TIMEOUT")
 
 
 def set_collective_timeout(seconds: float) -> None:
     """Set the deadline for this process (every rank must set the same)."""
-    global _timeout
-    _timeout = float(seconds)
+    settings.put("DTORCH_COLLECTIVE_TIMEOUT", float(seconds))
 
 
 def call_site() -> str:

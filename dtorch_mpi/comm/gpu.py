@@ -9,7 +9,6 @@ device, the safe default. All three take the same calls as the MPI backend.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from .._mpi import library_world, ranks_on_node
 from ..errors import CollectiveTimeoutError
 from .backend import backends_for
@@ -54,9 +54,9 @@ def gpu_backend_names() -> tuple[str, ...]:
 
 
 def mpi_is_cuda_aware() -> bool:
-    flag = os.environ.get("DTORCH_CUDA_AWARE_MPI")
+    flag = settings.get("DTORCH_CUDA_AWARE_MPI")
     if flag is not None:
-        return flag not in ("", "0")
+        return bool(flag)
     query = getattr(MPI, "Query_cuda_support", None)
     try:
         return bool(query()) if query is not None else False
@@ -101,7 +101,7 @@ def selected_backend() -> str:
         except ImportError:
             have_nccl = False
         world = library_world()
-        requested = os.environ.get("DTORCH_GPU_BACKEND", "auto")
+        requested = str(settings.get("DTORCH_GPU_BACKEND"))
         facts = agreed_facts(world, requested, have_nccl, ranks_on_node(), gpus, mpi_is_cuda_aware())
         _selected = choose_backend(requested, *facts)
     return _selected

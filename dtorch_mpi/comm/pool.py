@@ -24,7 +24,6 @@ Python time). Emptied by ``DeviceMesh.free()``. CuPy buffers go to CuPy's own ca
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections import OrderedDict
@@ -35,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import settings
+
 POOLED_FROM = 256 << 10
 """Smallest buffer (bytes) worth pooling: below it glibc malloc reuses freed heap memory."""
 
@@ -43,31 +44,16 @@ Owner = tuple[np.ndarray, int]  # (allocation, offset of its first page boundary
 _owners: "OrderedDict[int, list[Owner]]" = OrderedDict()  # nbytes -> owners, oldest size first
 _held = 0
 _lock = threading.Lock()
-_cap: int | None = None
 
 
 def pool_cap() -> int:
     """The most bytes the pool keeps (``DTORCH_BUFFER_POOL_BYTES``)."""
-    global _cap
-    if _cap is None:
-        _cap = _parse_cap(os.environ.get("DTORCH_BUFFER_POOL_BYTES", str(256 << 20)))
-    return _cap
-
-
-def _parse_cap(text: str) -> int:
-    try:
-        cap = int(text)
-    except ValueError:
-        cap = -1
-    if cap < 0:
-        raise ValueError(f"DTORCH_BUFFER_POOL_BYTES={text!r} must be a byte count >= 0 (0 turns buffer reuse off)")
-    return cap
+    return settings.get("DTORCH_BUFFER_POOL_BYTES")
 
 
 def set_pool_cap(nbytes: int) -> None:
     """Bound the pool to ``nbytes`` (0 turns reuse off); forgets owners beyond the new bound."""
-    global _cap
-    _cap = _parse_cap(str(nbytes))
+    settings.put("DTORCH_BUFFER_POOL_BYTES", settings.parse("DTORCH_BUFFER_POOL_BYTES", str(nbytes)))
     _shrink(0)
 
 

@@ -22,13 +22,14 @@ moves no data), so ranks need not agree on it.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 
 from mpi4py import MPI
 
-MODES = ("thread", "off")
+from .. import settings
+
+MODES = settings.PROGRESS_MODES
 _POLLS_PER_STEP = 64  # polls at each interval before it doubles (a 64 MB transfer takes ~6 ms)
 _MAX_INTERVAL = 1e-3
 
@@ -36,9 +37,7 @@ _MAX_INTERVAL = 1e-3
 def progress_mode() -> str:
     """``DTORCH_ASYNC_PROGRESS`` checked, ``thread`` by default; ``off`` where MPI was not
     initialised with ``MPI_THREAD_MULTIPLE`` (a second thread may not call MPI then)."""
-    mode = os.environ.get("DTORCH_ASYNC_PROGRESS", "thread")
-    if mode not in MODES:
-        raise ValueError(f"DTORCH_ASYNC_PROGRESS={mode!r}: use one of {', '.join(MODES)}")
+    mode = str(settings.get("DTORCH_ASYNC_PROGRESS"))
     if mode == "thread" and MPI.Query_thread() != MPI.THREAD_MULTIPLE:
         return "off"
     return mode
@@ -46,14 +45,7 @@ def progress_mode() -> str:
 
 def poll_interval() -> float:
     """Seconds between progress polls (``DTORCH_PROGRESS_INTERVAL`` in microseconds)."""
-    raw = os.environ.get("DTORCH_PROGRESS_INTERVAL", "50")
-    try:
-        micros = float(raw)
-    except ValueError:
-        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={raw!r} is not a number of microseconds") from None
-    if micros <= 0:
-        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={raw!r} must be a positive number of microseconds")
-    return micros * 1e-6
+    return float(settings.get("DTORCH_PROGRESS_INTERVAL")) * 1e-6
 
 
 def _interval_after(base: float, polls: int) -> float:

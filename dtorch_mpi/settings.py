@@ -1,0 +1,239 @@
+"""Every ``DTORCH_*`` environment variable, declared once: name, type, default, what it does,
+how its text is parsed and when it is read (docs/settings.md is generated from this table by
+scripts/gen_settings.py; tests/test_docs.py checks it is current).
+
+``get(name)`` is the one way the library reads a setting. A setting read at *first use* is
+parsed once and kept (its module's ``set_*`` function replaces the kept value through ``put``);
+every other one is parsed from the environment each time it is asked for, which is when its
+``read`` column says. The settings marked ``agreed`` decide which MPI calls the library makes
+or how long it waits on them: every ``DeviceMesh`` construction checks that all ranks hold the
+same values (``agreed()``, mesh.py). A ``DTORCH_*`` variable that is neither a setting nor one
+the test suite and scripts read (``TOOLING``) is warned about once, when the package is
+imported, with the closest known name: a typo is otherwise silently ignored.
+
+A leaf module: it imports nothing from the package, so any module may read a setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["READ_AT", "SETTINGS", "TOOLING", "Setting", "agreed", "get", "parse", "put", "unknown"]
+
+PREFIX = "DTORCH_"
+
+READ_AT = {
+    "import": "when its module is imported",
+    "first use": "at its first use, then kept (a `set_*` call replaces it)",
+    "mesh creation": "at each `DeviceMesh` construction",
+    "first cuda mesh": "at the first `cuda` `DeviceMesh` construction, then kept",
+    "per call": "at every call that uses it",
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable the library reads."""
+
+    name: str
+    type: str  # what the text may be, for the docs table
+    default: str | None  # the text used when the variable is unset (None: unset means "ask MPI")
+    doc: str
+    parse: Callable[[str], Any]  # text -> value; raises ValueError naming the variable and the fix
+    read: str  # a key of READ_AT
+    used_by: str  # the module that acts on it
+    agreed: bool = False  # decides MPI calls: every rank must hold the same value (checked per mesh)
+
+
+# --- parsers (each raises ValueError with the variable's name and what it accepts) ----------
+def _choice(name: str, values: tuple[str, ...], verb: str = " is not one of") -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in values:
+            raise ValueError(f"{name}={text!r}{verb} {', '.join(values)}")
+        return text
+
+    return parse
+
+
+def _on_unless_empty_or_zero(text: str) -> bool:
+    return text not in ("", "0")
+
+
+def _on_unless_off(text: str) -> bool:
+    return text.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _seconds(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"DTORCH_COLLECTIVE_TIMEOUT={text!r} is not a number of seconds") from None
+
+
+def _byte_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"DTORCH_BUFFER_POOL_BYTES={text!r} must be a byte count >= 0 (0 turns buffer reuse off)")
+    return value
+
+
+def _microseconds(text: str) -> float:
+    try:
+        micros = float(text)
+    except ValueError:
+        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={text!r} is not a number of microseconds") from None
+    if micros <= 0:
+        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={text!r} must be a positive number of microseconds")
+    return micros
+
+
+def _seed(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"DTORCH_SEED={text!r} is not an integer") from None
+
+
+COMM_PATHS = ("auto", "padded", "variable")
+PROGRESS_MODES = ("thread", "off")
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in (
+    Setting("DTORCH_COMM_PATH", "`auto` \\| `padded` \\| `variable`", "auto",
+            "Which collectives move unequal pieces: `auto` takes the equal-size ones for equal "
+            "pieces and the `v`/`w` ones otherwise, `padded` always pads to equal sizes (NCCL's "
+            "path, selectable on CPU), `variable` always takes the `v`/`w` ones.",
+            _choice("DTORCH_COMM_PATH", COMM_PATHS), "first use", "comm/config.py", agreed=True),
+    Setting("DTORCH_SPMD_DEBUG", "flag (`1` on; unset, empty or `0` off)", "",
+            "Every collective first checks that all ranks of its group make the same call "
+            "(kind, shapes, dtype, MPI method and counts), raising `SPMDDivergenceError` instead "
+            "of hanging; random calls and `from_local` are checked too.",
+            _on_unless_empty_or_zero, "first use", "comm/config.py", agreed=True),
+    Setting("DTORCH_SPMD_CHECK", "flag (`0` off; unset or `1` on)", "1",
+            "The default divergence check: before a collective whose group-wide payload is 64 KiB "
+            "or more, the group compares a fingerprint of the call (one 2-int64 `Iallreduce` on "
+            "a communicator of its own) and raises `SPMDDivergenceError` on every rank instead of "
+            "moving data between different calls. `0` turns it off (to measure its cost).",
+            _on_unless_empty_or_zero, "first use", "comm/config.py", agreed=True),
+    Setting("DTORCH_COLLECTIVE_TIMEOUT", "seconds (a number; `0` turns the deadline off)", "600",
+            "How long a collective may take before `CollectiveTimeoutError` names it.",
+            _seconds, "first use", "comm/deadline.py", agreed=True),
+    Setting("DTORCH_BUFFER_POOL_BYTES", "byte count >= 0 (`0` turns reuse off)", str(256 << 20),
+            "The most bytes the collective buffer pool keeps for reuse (oldest sizes go first).",
+            _byte_count, "first use", "comm/pool.py"),
+    Setting("DTORCH_ASYNC_PROGRESS", "`thread` \\| `off`", "thread",
+            "Who advances nonblocking collectives: a daemon thread (where MPI runs at "
+            "`MPI_THREAD_MULTIPLE`; below that it is `off`), or only the library's own calls.",
+            _choice("DTORCH_ASYNC_PROGRESS", PROGRESS_MODES, ": use one of"), "per call", "comm/progress.py"),
+    Setting("DTORCH_PROGRESS_INTERVAL", "microseconds > 0", "50",
+            "The progress thread's base poll interval.",
+            _microseconds, "per call", "comm/progress.py"),
+    Setting("DTORCH_GPU_BACKEND", "`auto` or a registered cuda backend (`nccl` \\| `cuda-aware-mpi` "
+            "\\| `host-staging`)", "auto",
+            "The backend of `cuda` meshes; `auto` takes NCCL where every rank has a GPU of its "
+            "own, else CUDA-aware MPI where MPI is, else host staging. Agreed across ranks when "
+            "it is chosen.",
+            str, "first cuda mesh", "comm/gpu.py"),
+    Setting("DTORCH_CUDA_AWARE_MPI", "flag (`1` yes, empty or `0` no)", None,
+            "Declares whether MPI takes GPU memory; unset, MPI is asked (`MPI.Query_cuda_support`).",
+            _on_unless_empty_or_zero, "first cuda mesh", "comm/gpu.py"),
+    Setting("DTORCH_ABORT_ON_EXCEPTION", "flag (`0`, `false`, `no`, `off` turn it off)", "1",
+            "An uncaught exception on one rank of a multi-rank, non-interactive run calls "
+            "`MPI_Abort`, ending the whole job instead of leaving the other ranks waiting.",
+            _on_unless_off, "mesh creation", "abort.py"),
+    Setting("DTORCH_SEED", "integer", "0",
+            "The seed of the counter-based random sequence (the same on every rank).",
+            _seed, "first use", "random.py"),
+    Setting("DTORCH_COMM_REPORT", "flag (`1` on; unset, empty or `0` off)", "",
+            "Count every collective of the script and print the table at exit (rank 0).",
+            _on_unless_empty_or_zero, "import", "comm/counter.py"),
+)}
+
+TOOLING: dict[str, str] = {
+    "DTORCH_TEST_ALL_OUTPUT": "tests/rank_wrapper.sh: every rank prints to the terminal (else ranks > 0 log "
+                              "to `.mpi-logs/`)",
+    "DTORCH_TEST_LOGDIR": "tests/rank_wrapper.sh: where ranks > 0 log (scripts/run_tests.py sets one per run)",
+    "DTORCH_FUZZ_EXAMPLES": "tests/test_fuzz.py: Hypothesis examples per property (`make fuzz` runs 500)",
+    "DTORCH_PYTHON": "scripts/slurm/test_slurm.sh and scripts/test_multihost.sh: the Python the jobs run",
+    "DTORCH_TEST_MULTIHOST": "tests/test_multihost.py: set by scripts/test_multihost.sh (the job spans fake hosts)",
+    "DTORCH_TEST_PRIVATE_TMP": "tests/test_multihost.py: each fake host has its own /tmp",
+    "DTORCH_MULTIHOST_TIMEOUT": "scripts/test_multihost.sh: seconds each multi-host run may take (600)",
+    "DTORCH_EMULATED_GPUS": "tests/emulated_cupy (test double): devices per host (default one per rank)",
+    "DTORCH_EMULATED_SYNC_LIMIT": "tests/emulated_cupy (test double): seconds a synchronize waits before giving up",
+    "DTORCH_TEST_DEVICE": "tests/conftest.py: the device switch (`emulated` | `cuda`), as `--device`",
+    "DTORCH_EXAMPLE_RESULTS": "examples/quickstart.py, tensor_parallel_mlp.py: where tests/test_examples.py "
+                              "has the example save what it recomputes",
+}
+"""``DTORCH_*`` variables read by the test suite and scripts, not by the library."""
+
+_kept: dict[str, Any] = {}
+
+
+def _setting(name: str) -> Setting:
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a dtorch_mpi setting (known: {', '.join(SETTINGS)})") from None
+
+
+def parse(name: str, text: str) -> Any:
+    """``text`` as setting ``name``'s value (ValueError naming the variable when it is not one)."""
+    return _setting(name).parse(text)
+
+
+def get(name: str) -> Any:
+    """The setting's value: kept after its first use, or parsed from the environment now
+    (see ``read``); None for a setting unset without a default."""
+    try:
+        return _kept[name]  # only first-use settings are kept: the common case, on every collective
+    except KeyError:
+        pass
+    s = _setting(name)
+    text = os.environ.get(name, s.default)
+    value = None if text is None else s.parse(text)
+    if s.read == "first use":
+        _kept[name] = value
+    return value
+
+
+def put(name: str, value: Any) -> None:
+    """Replace a first-use setting's kept value for this process (its module's ``set_*``)."""
+    if _setting(name).read != "first use":
+        raise ValueError(f"{name} is read {READ_AT[_setting(name).read]}; it has no process-wide value to set")
+    _kept[name] = value
+
+
+def agreed() -> dict[str, Any]:
+    """The values every rank must share (the ``agreed`` settings), for the mesh's check."""
+    return {name: get(name) for name, s in SETTINGS.items() if s.agreed}
+
+
+def unknown(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """The ``DTORCH_*`` names in ``environ`` nobody reads, each with the closest known name."""
+    known = [*SETTINGS, *TOOLING]
+    tails = {name[len(PREFIX):]: name for name in known}  # compared without the common prefix
+
+    def closest(name: str) -> str | None:
+        match = difflib.get_close_matches(name[len(PREFIX):], list(tails), n=1, cutoff=0.6)
+        return tails[match[0]] if match else None
+
+    return {name: closest(name) for name in sorted(environ) if name.startswith(PREFIX) and name not in known}
+
+
+def warn_unknown(environ: Mapping[str, str] = os.environ) -> None:
+    """One warning naming every unknown ``DTORCH_*`` variable (called once, at import)."""
+    found = unknown(environ)
+    if found:
+        names = "; ".join(f"{n}" + (f" (did you mean {close}?)" if close else "") for n, close in found.items())
+        warnings.warn(f"unknown dtorch_mpi environment variable(s), ignored: {names}. Settings: docs/settings.md",
+                      RuntimeWarning, stacklevel=2)
+
+
+warn_unknown()

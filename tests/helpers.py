@@ -1,0 +1,80 @@
+"""Shared test helpers (pure functions and constants; fixtures and the collective verdict live
+in conftest.py). Test modules import these from here, never from another test module (importing
+``test_x`` ties one test file's refactors to another's and re-executes its module body)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from conftest import on_mesh
+
+import dtorch_mpi as dt
+
+# every 1-d placement kind; the 2-d layouts use Partial("min") so both extrema are reduced
+P1 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max")]
+P2 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("min")]
+
+
+def integer_full(shape: tuple[int, ...], dtype: object = np.float64, seed: int = 0) -> np.ndarray:
+    """Integer values in [-50, 50) as ``dtype``: sums and extrema are exact in floats."""
+    return np.random.default_rng(seed).integers(-50, 50, size=shape).astype(dtype)
+
+
+def make_pieces(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
+    """This rank's piece, with Partial terms that differ per coordinate and reduce to ``full``."""
+    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
+    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))].copy()
+    coord = mesh.get_coordinate()
+    for k, p in enumerate(placements):
+        if not isinstance(p, dt.Partial):
+            continue
+        c, m = coord[k], mesh.shape[k]
+        if p.reduce_op == "sum":
+            piece = piece - sum(range(1, m)) if c == 0 else np.full_like(piece, c)
+        elif p.reduce_op == "max":
+            piece = piece if c == 0 else piece - (c + 1)
+        elif p.reduce_op == "min":
+            piece = piece if c == 0 else piece + (c + 1)
+    return on_mesh(mesh, np.ascontiguousarray(piece.astype(full.dtype)))
+
+
+def local_of(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
+    """The block of ``full`` this rank holds under ``placements`` (Partial: the whole block)."""
+    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(off, shape))]
+
+
+def numeric_grad(f: Callable[..., np.ndarray], arrays: Sequence[np.ndarray], i: int,
+                 cot: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """d sum(f(arrays) * cot) / d arrays[i] by central differences in float64."""
+    base = [a.astype(np.float64).copy() for a in arrays]
+    grad = np.zeros_like(base[i])
+    flat = grad.reshape(-1)
+    for j in range(base[i].size):
+        plus = [a.copy() for a in base]
+        minus = [a.copy() for a in base]
+        plus[i].reshape(-1)[j] += eps
+        minus[i].reshape(-1)[j] -= eps
+        flat[j] = (np.sum(f(*plus) * cot) - np.sum(f(*minus) * cot)) / (2 * eps)
+    return grad
+
+
+def full_value(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Small integer values as float64 (a checkpoint's round trip must return them exactly)."""
+    return np.random.default_rng(seed).integers(-9, 9, size=shape).astype(np.float64)
+
+
+def patch_bytes(path: str, name: str, edit: Callable[[bytearray], Any]) -> None:
+    """Edit HDF5 dataset ``name``'s stored bytes in place (found with ``get_offset``)."""
+    import h5py  # only the checkpoint tests need it
+
+    with h5py.File(path, "r") as f:
+        offset, size = f[name].id.get_offset(), f[name].id.get_storage_size()
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        data = bytearray(fh.read(size))
+        edit(data)
+        fh.seek(offset)
+        fh.write(bytes(data))

@@ -1,0 +1,52 @@
+"""scripts/run_tests.py, the suite's driver: which runs it makes, how it reads a run's JUnit
+report, and the passes ``--extra-pass`` adds (CI judges its closing line)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from conftest import RUN_ONCE
+from mpi_launch import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+try:
+    import run_tests
+finally:
+    sys.path.pop(0)
+
+pytestmark = RUN_ONCE  # pure functions of the driver
+
+PIP = run_tests.Pass("pip", "python", "mpiexec", [1, 2, 3, 4], ["auto", "variable", "padded"])
+
+
+def test_plan_runs_one_process_once_and_marks_the_first_path() -> None:
+    phdf5 = run_tests.Pass("phdf5", "py5", "mpx5", [1, 2], ["auto"], ["tests/test_checkpoint.py"])
+    got = [(p.name, path, n, first) for p, path, n, first in run_tests.plan([PIP, phdf5])]
+    assert got == [("pip", "auto", 1, True), ("pip", "auto", 2, True), ("pip", "auto", 3, True),
+                   ("pip", "auto", 4, True), ("pip", "variable", 2, False), ("pip", "variable", 3, False),
+                   ("pip", "variable", 4, False), ("pip", "padded", 2, False), ("pip", "padded", 3, False),
+                   ("pip", "padded", 4, False), ("phdf5", "auto", 1, True), ("phdf5", "auto", 2, True)]
+
+
+def test_extra_pass_specs() -> None:
+    spec = run_tests.parse_pass("emu sizes=1,2 paths=auto env=DTORCH_SEED=1 env=Y=a=b tests=tests/a.py,tests/b.py", PIP)
+    assert (spec.name, spec.python, spec.mpiexec, spec.sizes, spec.paths, spec.tests, spec.env) == (
+        "emu", "python", "mpiexec", [1, 2], ["auto"], ["tests/a.py", "tests/b.py"], {"DTORCH_SEED": "1", "Y": "a=b"})
+    with pytest.raises(SystemExit, match="begin with the pass's name"):
+        run_tests.parse_pass("sizes=1", PIP)
+    with pytest.raises(SystemExit, match="'colour=red' is not"):
+        run_tests.parse_pass("emu colour=red", PIP)
+
+
+def test_counts_come_from_the_junit_report(tmp_path: os.PathLike) -> None:
+    path = os.path.join(tmp_path, "junit.xml")
+    with open(path, "w") as fh:
+        fh.write('<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="1" '
+                 'failures="2" skipped="3" tests="10" time="1.0"></testsuite></testsuites>')
+    assert run_tests.report_counts(path) == {"passed": 4, "failed": 2, "errors": 1, "skipped": 3}
+    assert run_tests.report_counts(os.path.join(tmp_path, "missing.xml")) is None
+    with open(path, "w") as fh:
+        fh.write("<testsuites><testsuite")  # a run killed while writing
+    assert run_tests.report_counts(path) is None
