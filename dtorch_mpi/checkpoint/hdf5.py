@@ -94,6 +94,19 @@ def _writer_piece(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...], Any] | 
     return offset, shape, np.ascontiguousarray(local).reshape(shape)  # ascontiguousarray makes 0-d 1-d
 
 
+def _writing_copies(world: MPI.Intracomm, tensors: Mapping[str, DTensor]) -> dict[str, bool]:
+    """Whether this rank's mesh writes each tensor. The disjoint meshes that may hold one key
+    (``mesh["tp"]`` of each dp row holds the same tensor) are copies of it: the one holding the
+    lowest world rank writes, so every element is written once (one Allreduce)."""
+    size = world.Get_size()
+    mine = np.array([int(t.device_mesh.mesh.min()) if t.device_mesh.get_coordinate() is not None else size
+                     for t in tensors.values()], dtype=np.int64)
+    lowest = np.empty_like(mine)
+    if len(mine):  # the same number of tensors on every rank (agreed by _same_everywhere)
+        wait_request(world.Iallreduce(mine, lowest, op=MPI.MIN), "the checkpoint save's choice of writers (Allreduce)")
+    return {key: bool(m == low) for key, m, low in zip(tensors, mine, lowest)}
+
+
 def _term(piece: tuple[Any, Any, Any] | None, t: DTensor) -> int:
     """This rank's term of the tensor's checksum (0 when it writes nothing)."""
     return 0 if piece is None else checksum(piece[2], tuple(piece[0]), t.shape)
@@ -138,12 +151,13 @@ def _describe(leaves: list[tree.Leaf], wholes: Mapping[str, tuple[np.ndarray, in
             for leaf in leaves]
 
 
-def _slab(leaf: tree.Leaf, writable: Mapping[str, DTensor], wholes: Mapping[str, tuple[np.ndarray, int]],
-          rank: int) -> _Slab:
-    """A DTensor is written piece by piece (``writable``: Partial ones reduced); a complete array by rank 0."""
+def _slab(leaf: tree.Leaf, writable: Mapping[str, DTensor], writes: Mapping[str, bool],
+          wholes: Mapping[str, tuple[np.ndarray, int]], rank: int) -> _Slab:
+    """A DTensor is written piece by piece (``writable``: Partial ones reduced) by the mesh that
+    ``writes`` it; a complete array by rank 0."""
     if isinstance(leaf.value, DTensor):
         t = writable[leaf.key]
-        piece = _writer_piece(t)
+        piece = _writer_piece(t) if writes[leaf.key] else None
         return _Slab(leaf.key, t.shape, t.dtype, piece, _term(piece, t),
                      {"placements": repr(list(leaf.value.placements)),
                       "mesh_shape": np.array(t.device_mesh.shape, dtype=np.int64)})
@@ -228,8 +242,9 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
     try:
         with agreed(world):  # the collective part (Partial tensors are reduced) before the local part
             writable = {leaf.key: _writable(leaf.value) for leaf in layout.leaves if isinstance(leaf.value, DTensor)}
+        writes = _writing_copies(world, writable)
         with agreed(world):
-            slabs = [_slab(leaf, writable, wholes, rank) for leaf in layout.leaves]
+            slabs = [_slab(leaf, writable, writes, wholes, rank) for leaf in layout.leaves]
         with agreed(world):
             if parallel:
                 _save_parallel(h5py, world, tmp, layout.groups, slabs)
@@ -274,8 +289,18 @@ def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> d
 
 
 def _gathered_checksums(world: MPI.Intracomm, slabs: list[_Slab]) -> list[tuple[int, np.ndarray | None]]:
-    """Every dataset's lin64 checksum and piece table (one Allgather; the same on every rank)."""
-    return pieces.gather(world, [slab.record() for slab in slabs])
+    """Every dataset's lin64 checksum and piece table (one Allgather; the same on every rank),
+    after checking that the written pieces cover each dataset once (the same verdict everywhere:
+    a tensor held on overlapping meshes would be written twice in places and never in others)."""
+    sums = pieces.gather(world, [slab.record() for slab in slabs])
+    for slab, (_, table) in zip(slabs, sums):
+        written = 0 if table is None else int(np.prod(table[:, len(slab.shape) : 2 * len(slab.shape)],
+                                                      axis=1, dtype=np.uint64).sum())
+        if written != prod(slab.shape):
+            raise CheckpointError(f"{slab.key}: the ranks wrote {written} of its {prod(slab.shape)} elements; each "
+                                  f"element must be written once (the ranks hold it on meshes that overlap or "
+                                  f"leave parts out: save it from one mesh, or from disjoint copies of one)")
+    return sums
 
 
 def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab],

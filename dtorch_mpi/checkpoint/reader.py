@@ -11,8 +11,9 @@ same for a dataset on every rank:
   Allreduce makes the choice common (a rank's verdict alone would not do: lin64 needs every
   rank's term).
 - ``"lin64"`` otherwise: each rank adds its checksum term (checksum.py), and each dataset's sum
-  must equal its stored checksum times the number of ranks that read each element (replicas
-  all read and all verify).
+  must equal its stored checksum times the number of ranks of the world that read each element
+  (replicas all read and all verify; so does every sub-mesh loading the key: ``copies_read``,
+  summed in the same Allgather).
 
 Either way the verdicts of all ranks are gathered once (a mismatch is one rank's term of 1 on
 the fast path), and a mismatch raises the same error on every rank before anything is
@@ -131,12 +132,23 @@ def _hyperslab(param: Any) -> Block | None:
 
 
 def readers_per_element(param: Any) -> int:
-    """How many ranks read each element (replicas and Partial("avg") ranks all read it)."""
+    """How many ranks of the parameter's mesh read each element (replicas and Partial("avg")
+    ranks all read it)."""
     count = 1
     for size, p in zip(param.device_mesh.shape, param.placements):
         if isinstance(p, Replicate) or (isinstance(p, Partial) and p.reduce_op == "avg"):
             count *= size
     return count
+
+
+def copies_read(param: Any) -> int:
+    """This rank's share of the number of times the world reads each element: its mesh's
+    ``readers_per_element`` from the mesh's first rank (coordinate all zeros), 0 from the others.
+    Summed over the world it counts every mesh that loads the key: the disjoint sub-meshes of a
+    DP x TP job (``mesh["tp"]`` on each dp row) each read the whole tensor; ranks outside any
+    mesh read nothing."""
+    coord = param.device_mesh.get_coordinate()
+    return readers_per_element(param) if coord is not None and not any(coord) else 0
 
 
 def _read(ds: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
@@ -229,8 +241,9 @@ def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, 
     """Gather every rank's terms and status (``problem``: its reads failed); the same verdict
     (and error) on every rank (xxh3: no rank saw a mismatch; lin64: the terms add up to the
     stored checksum once per reader)."""
-    bad = [key for key, total in zip(keys, gathered_sums(world, terms, problem))
-           if total != (0 if expect[key] is not None else entries[key].checksum * readers_per_element(params[key]) & MASK)]
+    sums = gathered_sums(world, [*terms, *(copies_read(params[key]) for key in keys)], problem)
+    bad = [key for key, total, copies in zip(keys, sums, sums[len(keys):])
+           if total != (0 if expect[key] is not None else entries[key].checksum * copies & MASK)]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in dataset{'s' if len(bad) > 1 else ''} "
                               f"{', '.join('/' + k.replace('.', '/') for k in bad)}: the data is damaged "
