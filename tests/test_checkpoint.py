@@ -18,6 +18,7 @@ from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import hdf5 as ck
+from dtorch_mpi.checkpoint import validate
 from dtorch_mpi.checkpoint.checksum import checksum
 
 WORLD = MPI.COMM_WORLD
@@ -72,7 +73,7 @@ def test_partial_is_saved_reduced_and_plain_h5py_reads_it(mesh1d: dt.DeviceMesh,
     dt.save(sd, path)
     if RANK == 0:
         with h5py.File(path, "r") as f:
-            assert f.attrs["format"] == "dtorch_mpi" and int(f.attrs["version"]) == 2
+            assert f.attrs["format"] == "dtorch_mpi" and int(f.attrs["version"]) == 3
             for i in range(len(LAYOUTS_1D)):
                 ds = f[f"layer{i}/w"]
                 assert ds.shape == (2 * SIZE + 1, 4) and ds.dtype == np.float64
@@ -222,6 +223,7 @@ def test_damaged_and_foreign_files_are_rejected_everywhere(damage: str, mesh1d: 
                 del f["layer1/w"]
                 f["layer1/w"] = np.zeros((2, 2)) if damage == "shape" else np.zeros((2 * SIZE + 1, 3), np.complex64)
                 f["layer1/w"].attrs.update(dtype=f["layer1/w"].dtype.str, checksum=np.uint64(0))  # well formed
+            reseal(path)
     WORLD.Barrier()
     tgt = {f"layer{i}.w": dt.zeros(2 * SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
            for i in range(2)}
@@ -262,6 +264,18 @@ def _replace(f: h5py.File, name: str, make: Any) -> None:
     make(f[group], leaf)
     if isinstance(f.get(name, getlink=True), h5py.HardLink) and isinstance(f[name], h5py.Dataset):
         f[name].attrs.update(attrs)
+
+
+def reseal(path: str) -> None:
+    """Give a crafted file the ``layout`` digest of what it now holds (as a forger would), so the
+    checks after it are what refuses it; a file that ``scan`` already refuses is left as it is."""
+    with h5py.File(path, "r") as f:
+        try:
+            digest = validate.listing_digest(validate.scan(f, path))
+        except dt.CheckpointError:
+            return
+    with h5py.File(path, "r+") as f:
+        f.attrs[validate.LAYOUT] = digest
 
 
 def _patch_bytes(path: str, name: str, edit: Any) -> None:
@@ -741,6 +755,7 @@ def _craft_scalar(kind: str, path: str) -> None:
             _replace(f, "optim/state/0/exp_avg", lambda g, n: g.create_dataset(n, data=np.zeros((1, 3))))
             f["optim/state/0/exp_avg"].attrs["checksum"] = np.uint64(0)
             del f["optim/state/0/exp_avg"].attrs["pieces"]  # the old table no longer fits the shape
+    reseal(path)
 
 
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
@@ -814,3 +829,77 @@ def test_the_package_imports_and_computes_without_the_checkpoint_extras(missing:
     proc = run([sys.executable, "-c", _WITHOUT, *missing], timeout=120, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"save: checkpoints {needs}" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- what decides how a value is restored is verified (issue 23 item 2) ----
+
+RETYPED = {  # edit -> what it changes about how the file's values come back
+    "list_to_tuple": lambda f: f["seq"].attrs.__setitem__("pytype", "tuple[float]"),
+    "str_to_bools": lambda f: f["name"].attrs.__setitem__("pytype", "list[bool]"),
+    "tensor_to_scalar": lambda f: f["w"].attrs.__setitem__("pytype", "list[float]"),
+    "scalar_to_tensor": lambda f: f["seq"].attrs.__delitem__("pytype"),
+    "group_list_to_tuple": lambda f: f["mixed"].attrs.__setitem__("pytype", "tuple"),
+    "group_list_to_mapping": lambda f: f["mixed"].attrs.__delitem__("pytype"),
+    "extra_dataset": lambda f: f.copy(f["seq"], "seq2"),
+    "layout_flipped": lambda f: f.attrs.__setitem__("layout", np.uint64(int(f.attrs["layout"]) ^ 1)),
+    "layout_missing": lambda f: f.attrs.__delitem__("layout"),
+    "version_2_with_layout": lambda f: f.attrs.__setitem__("version", 2),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(RETYPED))
+def test_a_changed_pytype_or_layout_is_refused(edit: str, mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """The ``pytype`` attributes (and the names, dtypes and shapes) are covered by the root's
+    ``layout`` digest: any change is a CheckpointError on every rank, and nothing changes."""
+    path = os.path.join(shared_dir, "retyped.h5")
+    w = dt.distribute_tensor(full_value((N_ROWS,), 0), mesh1d, [dt.Shard(0)])
+    dt.save({"w": w, "seq": [1.0, 2.0], "name": "ab", "mixed": [1, "a"]}, path)
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            RETYPED[edit](f)
+    WORLD.Barrier()
+    target: dict[str, Any] = {"w": dt.zeros(N_ROWS, device_mesh=mesh1d), "seq": None, "name": None, "mixed": None}
+    pattern = {"layout_missing": "lacks the attribute 'layout'",
+               "version_2_with_layout": "a version-2 file with a 'layout' attribute"}.get(edit, "differ from what was saved")
+    for strict in (True, False):
+        with pytest.raises(dt.CheckpointError, match=pattern):
+            dt.load(path, target, strict=strict)
+        assert not target["w"].to_local().any() and target["seq"] is None and target["mixed"] is None
+
+
+def test_version_2_files_still_load(mesh1d: dt.DeviceMesh, shared_dir: str, check: Checker) -> None:
+    """A file of the previous format (no ``layout`` digest) loads as before."""
+    path = os.path.join(shared_dir, "v2.h5")
+    full = full_value((N_ROWS, 3), 0)
+    dt.save({"w": dt.distribute_tensor(full, mesh1d, [dt.Shard(0)]), "step": 3}, path)
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            del f.attrs["layout"]
+            f.attrs["version"] = 2
+    WORLD.Barrier()
+    target: dict[str, Any] = {"w": dt.zeros(N_ROWS, 3, dtype=np.float64, device_mesh=mesh1d), "step": 0}
+    dt.load(path, target)
+    check.equal(target["w"].full_tensor(), full, "a version-2 file's tensor")
+    check.true(target["step"] == 3, f"a version-2 file's scalar: {target['step']!r}")
+    check.done()
+
+
+@pytest.mark.parametrize("stored", ["float", "list", "group", "tensor_for_optimizer"])
+def test_a_kind_mismatch_is_refused_whatever_strict(stored: str, mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """A tensor target whose key holds a Python value or a group (``dt.save({"w": 1.5}, p)``),
+    or an optimizer whose key holds a tensor: CheckpointError on every rank, strict or not, and
+    the target keeps its values (before: the key was skipped and the load "succeeded")."""
+    path = os.path.join(shared_dir, "kinds.h5")
+    saved = {"float": 1.5, "list": [1.0, 2.0], "group": {"a": np.zeros(2)},
+             "tensor_for_optimizer": dt.zeros(N_ROWS, device_mesh=mesh1d)}[stored]
+    dt.save({"w": saved}, path)
+    model, opt = _training_state(mesh1d, 1)
+    before = _snapshot(model, opt)
+    w = dt.full((N_ROWS,), 2.0, device_mesh=mesh1d)
+    target: Any = {"w": opt} if stored == "tensor_for_optimizer" else {"w": w}
+    what = {"float": "a Python float", "list": "a Python list.float.", "group": "a mapping group",
+            "tensor_for_optimizer": "a tensor dataset"}[stored]
+    for strict in (True, False):
+        with pytest.raises(dt.CheckpointError, match=f"'w' is {what} .*nothing was loaded"):
+            dt.load(path, target, strict=strict)
+    assert np.all(w.to_local() == 2.0) and _unchanged(before, _snapshot(model, opt)), "a refused load changed it"

@@ -1,8 +1,9 @@
 """HDF5 checkpoints: one plain file, parallel writes, resharding loads, atomic saves.
 
 Layout: one dataset per tensor with its global shape and dtype; dotted names are groups
-(``layer.weight`` -> ``/layer/weight``). File attributes ``format = "dtorch_mpi"`` and
-``version``; dataset attributes ``dtype`` (the exact dtype string), ``checksum`` (checksum.py,
+(``layer.weight`` -> ``/layer/weight``). File attributes ``format = "dtorch_mpi"``,
+``version`` and ``layout`` (a digest of every name, ``pytype``, dtype and shape: validate.py);
+dataset attributes ``dtype`` (the exact dtype string), ``checksum`` (checksum.py,
 computed collectively from the written pieces), ``pieces`` (each written piece's region and
 xxh3, pieces.py: a load whose regions those pieces tile verifies with it), ``placements`` and ``mesh_shape``
 (information only: any target layout can load it). No pickle anywhere; plain h5py reads it.
@@ -275,6 +276,8 @@ def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]])
 def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
     f.attrs["format"] = FORMAT
     f.attrs["version"] = VERSION
+    f.attrs[validate.LAYOUT] = validate.layout_digest(
+        groups, [(slab.key, str(slab.attrs.get(pytypes.ATTRIBUTE, "")), slab.dtype.str, slab.shape) for slab in slabs])
     for key, kind in sorted(groups.items()):
         group = f.require_group(_group_path(key)) if key else f
         if kind:
@@ -421,8 +424,9 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
         with agreed(world):  # one agreement for the open (collective with MPI-IO) and the validation
             if failed is not None:
                 raise failed
-            validate.check_header(handle, path)
+            version = validate.check_header(handle, path)
             listing = validate.scan(handle, path)
+            validate.check_layout(handle, listing, path, version)
             restore = targets.match(found, listing, path, strict)
             keys = _check(cast(Mapping[str, Any], restore.tensors), {k: listing.tensors[k].dataset for k in restore.tensors}, strict=False)
             mine = own_checks(restore.tensors, listing.tensors, keys)

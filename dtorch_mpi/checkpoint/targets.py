@@ -69,6 +69,7 @@ def parts(target: Any) -> Parts:
 def match(found: Parts, listing: Listing, path: str, strict: bool) -> Restore:
     """Check the target against the file (keys, optimizer state) and plan the restore."""
     members = check_members(listing.groups, [*listing.tensors, *listing.scalars], path)
+    _check_kinds(found, listing, path)
     stored = [*listing.tensors, *listing.scalars]
     present = set(stored) | set(listing.groups)
     wholes = [*found.optimizers, *found.slots]  # each takes the whole subtree at its key
@@ -91,6 +92,30 @@ def match(found: Parts, listing: Listing, path: str, strict: bool) -> Restore:
                            lambda e: read_whole(e, path, _key_of(e.dataset)))
             restore.commits.append(partial(holder.__setitem__, name, value))
     return restore
+
+
+def _stored_kind(listing: Listing, key: str) -> str:
+    """What the file holds at ``key``, in words (for a kind mismatch)."""
+    if key in listing.tensors:
+        return "a tensor dataset"
+    if key in listing.scalars:
+        return f"a Python {listing.scalars[key][1]} (not a tensor)"
+    kind = listing.groups.get(key, "")
+    return f"a {kind or 'mapping'} group (a container, not a tensor)"
+
+
+def _check_kinds(found: Parts, listing: Listing, path: str) -> None:
+    """A key stored as another kind than the target expects is an error whatever ``strict``
+    says (skipping it would leave the target's value standing as if loaded): a tensor target
+    needs a tensor dataset, an optimizer a group of its state."""
+    wrong = [(key, "a tensor") for key in found.tensors if key in listing.scalars or key in listing.groups]
+    wrong += [(key, "an optimizer's state (a group)") for key in found.optimizers
+              if key in listing.tensors or key in listing.scalars]
+    if wrong:
+        raise CheckpointError(f"{path} does not match the target: "
+                              + "; ".join(f"{key!r} is {_stored_kind(listing, key)} in the file, the target expects "
+                                          f"{want}" for key, want in wrong)
+                              + "; nothing was loaded")
 
 
 def _plan_optimizer(restore: Restore, key: str, optimizer: Any, state_dict: Any, path: str) -> None:

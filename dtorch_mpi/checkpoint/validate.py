@@ -10,7 +10,10 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
   a small tensor cannot make the reader allocate a huge chunk);
 - a simple or scalar dataspace (no null dataspace), and storage that was written;
 - the attributes this module reads are bounded (``MAX_ATTRIBUTE_BYTES``) and well typed:
-  file ``format`` (the string ``dtorch_mpi``) and ``version`` (the integer ``VERSION``);
+  file ``format`` (the string ``dtorch_mpi``), ``version`` (an integer of ``READABLE``) and,
+  from version 3, ``layout`` (a uint64: ``layout_digest`` of every group and dataset with its
+  name, ``pytype``, dtype and shape, so a changed, added or removed ``pytype`` attribute, which
+  decides how a value is restored, is refused like damaged data);
   dataset ``dtype`` (the exact dtype string, equal to the stored type) and ``checksum``
   (a uint64, see checksum.py); an optional ``pieces`` table (pieces.py: a uint64 array whose
   pieces lie inside the dataset); a ``pytype`` attribute (Python scalars and containers,
@@ -19,7 +22,8 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from math import prod
@@ -31,7 +35,9 @@ from ..errors import CheckpointError
 from . import pieces, pytypes
 
 FORMAT = "dtorch_mpi"
-VERSION = 2  # 2: per-dataset checksum and dtype attributes (version 1 files are refused)
+VERSION = 3  # 2: per-dataset checksum and dtype attributes (version 1 files are refused); 3: the layout digest
+READABLE = (2, 3)
+LAYOUT = "layout"
 MAX_CHUNK_FLOOR = 1 << 20
 MAX_ATTRIBUTE_BYTES = 1 << 16
 
@@ -45,8 +51,8 @@ class Entry:
     pieces: np.ndarray | None = None
 
 
-def check_header(f: Any, path: str) -> None:
-    """The file's ``format`` and ``version`` attributes, strictly typed."""
+def check_header(f: Any, path: str) -> int:
+    """The file's ``format`` and ``version`` attributes, strictly typed; returns the version."""
     if not _has(f.id, "format"):
         raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (no format attribute)")
     fmt = _attribute(f, "format", path, "/")
@@ -58,11 +64,47 @@ def check_header(f: Any, path: str) -> None:
     version = _attribute(f, "version", path, "/")
     if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
         raise CheckpointError(f"{path}: attribute 'version' must be an integer, got {_show(version)}")
-    if int(version) != VERSION:
+    if int(version) not in READABLE:
         older = (" (version 1 predates per-dataset checksums, so it cannot be verified: load it with the "
                  "dtorch_mpi that wrote it and save it again)") if int(version) == 1 else ""
         raise CheckpointError(f"{path} has checkpoint format version {int(version)}; this dtorch_mpi reads "
-                              f"version {VERSION}{older}")
+                              f"versions {', '.join(map(str, READABLE))}{older}")
+    return int(version)
+
+
+def layout_digest(groups: Mapping[str, str], datasets: Iterable[tuple[str, str, str, tuple[int, ...]]]) -> np.uint64:
+    """A 64-bit digest of what decides how a file's values are restored: each group's key and
+    ``pytype`` ("" for a mapping with str keys) and each dataset's ``(key, pytype or "", dtype
+    string, shape)``. ``save`` stores it as the root's ``layout``; ``check_layout`` recomputes it
+    from what ``scan`` found."""
+    rows = sorted((key, pytype, dtype, tuple(int(n) for n in shape)) for key, pytype, dtype, shape in datasets)
+    text = repr((sorted((str(k), str(v)) for k, v in groups.items()), rows)).encode()
+    return np.uint64(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little"))
+
+
+def listing_digest(listing: "Listing") -> np.uint64:
+    """``layout_digest`` of what ``scan`` found."""
+    found = [(key, "", e.dataset.dtype.str, tuple(e.dataset.shape)) for key, e in listing.tensors.items()]
+    found += [(key, kind, e.dataset.dtype.str, tuple(e.dataset.shape)) for key, (e, kind) in listing.scalars.items()]
+    return layout_digest(listing.groups, found)
+
+
+def check_layout(f: Any, listing: "Listing", path: str, version: int) -> None:
+    """The root's ``layout`` digest against the scanned groups and datasets (version 3 on;
+    version 2 files predate it and have none)."""
+    if version < 3:
+        if _has(f.id, LAYOUT):
+            raise CheckpointError(f"{path}: a version-{version} file with a {LAYOUT!r} attribute (added in "
+                                  f"version 3): the file's metadata is damaged")
+        return
+    stored = _attribute(f, LAYOUT, path, "/")
+    if not isinstance(stored, np.uint64):
+        raise CheckpointError(f"{path}: attribute {LAYOUT!r} must be a uint64, got {_show(stored)}; "
+                              f"the file's metadata is damaged")
+    if stored != listing_digest(listing):
+        raise CheckpointError(f"{path}: the groups and datasets (names, Python types in 'pytype' attributes, "
+                              f"dtypes, shapes) differ from what was saved (the root's {LAYOUT!r} digest): "
+                              f"the file's metadata is damaged; nothing was loaded")
 
 
 @dataclass
