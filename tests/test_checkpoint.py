@@ -903,3 +903,55 @@ def test_a_kind_mismatch_is_refused_whatever_strict(stored: str, mesh1d: dt.Devi
         with pytest.raises(dt.CheckpointError, match=f"'w' is {what} .*nothing was loaded"):
             dt.load(path, target, strict=strict)
     assert np.all(w.to_local() == 2.0) and _unchanged(before, _snapshot(model, opt)), "a refused load changed it"
+
+
+# ---- training state: restored whole or refused (issue 23 item 3, the checkpoint side) ----
+
+def test_loading_into_an_optimizer_state_dict_is_refused(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """``dt.load(path, {"optim": opt.state_dict()})`` used to replace the moments (the live
+    tensors) but not the step counts or hyperparameters (copies): now refused, naming the fix,
+    with nothing changed; loading into the Optimizer restores all of it."""
+    path = os.path.join(shared_dir, "optim_sd.h5")
+    model, opt = _training_state(mesh1d, 0, lr=0.01)
+    dt.save({"optim": opt}, path)
+    other_model, other = _training_state(mesh1d, 1, lr=0.5)
+    for _ in range(2):  # a different step count, so a half restore would show
+        other.step()
+    before = _snapshot(other_model, other)
+    with pytest.raises(dt.CheckpointError, match=r"'optim' is an optimizer's state_dict\(\).*pass the Optimizer"):
+        dt.load(path, {"optim": other.state_dict()})
+    assert _unchanged(before, _snapshot(other_model, other)), "a refused load changed the optimizer"
+    slot: dict[str, Any] = {"optim": None}  # the other documented way: a slot, then the optimizer's own load
+    dt.load(path, slot)
+    other.load_state_dict(slot["optim"])
+    dt.load(path, {"optim": other})
+    assert _snapshot(other_model, other)[1:] == _snapshot(model, opt)[1:], "steps and hyperparameters restored"
+
+
+class _Checked(dt.optim.AdamW):
+    """An optimizer whose checked load refuses a negative step on rank 0 only (a verdict that
+    differs between ranks: the load must still raise on every rank)."""
+
+    def prepare_load(self, state_dict: Any) -> Any:
+        if RANK == 0 and any(s.get("step", 0) < 0 for s in state_dict["state"].values()):
+            raise ValueError("step must be a non-negative int")
+        return super().prepare_load(state_dict)
+
+
+def test_the_optimizers_checked_load_decides_before_anything_changes(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """dt.load routes optimizer state through the optimizer's own prepare_load: its refusal
+    (here on rank 0 only) is a CheckpointError on every rank, and neither the model, the
+    optimizer nor a slot changed."""
+    path = os.path.join(shared_dir, "steps.h5")
+    model, opt = _training_state(mesh1d, 0)
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = -1
+    dt.save({"model": model, "optim": sd, "epoch": 3}, path)
+    dt.manual_seed(1)
+    fresh = _TwoLayer(mesh1d, True)
+    checked = _Checked(fresh.parameters(), lr=0.5)
+    before = _snapshot(fresh, checked)
+    target: dict[str, Any] = {"model": fresh, "optim": checked, "epoch": 0}
+    with pytest.raises(dt.CheckpointError, match=r"optimizer state at 'optim' is malformed.*non-negative"):
+        dt.load(path, target)
+    assert _unchanged(before, _snapshot(fresh, checked)) and target["epoch"] == 0, "a refused load changed the target"

@@ -408,10 +408,10 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
 
     world = library_world()
     path = os.path.abspath(os.fspath(path))
-    found = targets.parts(target)
     handle = None
     try:
         with agreed(world):
+            found = targets.parts(target)  # what cannot be loaded into raises on every rank
             _same_everywhere(world, {"paths": ("path", path), "staging options": ("staging", repr(staging))})
             if staging not in STAGING:
                 raise CheckpointError(f"load(staging={staging!r}): use one of {', '.join(STAGING)}")

@@ -54,6 +54,12 @@ def parts(target: Any) -> Parts:
         elif isinstance(value, DTensor):
             found.tensors[key] = value
         elif isinstance(value, Mapping):
+            if _is_live_optimizer_state(value):
+                raise CheckpointError(
+                    f"load() target {key or 'the root'!r} is an optimizer's state_dict(): its moments are the "
+                    f"optimizer's own tensors but its step counts and hyperparameters are copies, so loading into "
+                    f"it would restore the moments only; pass the Optimizer itself ({{{key or 'key'!r}: optimizer}}), "
+                    f"or load into a slot ({{{key or 'key'!r}: None}}) and call optimizer.load_state_dict() with it")
             for k, v in value.items():
                 visit(v, join(key, str(k)), value if isinstance(value, MutableMapping) else None, k)
         elif holder is not None:
@@ -64,6 +70,15 @@ def parts(target: Any) -> Parts:
 
     visit(target, "", None, None)
     return found
+
+
+def _is_live_optimizer_state(value: Mapping[Any, Any]) -> bool:
+    """An optimizer's ``state_dict()`` (keys ``state`` and ``param_groups``) holding DTensors:
+    those are the optimizer's live moments, while its steps and hyperparameters are copies."""
+    if set(value) != {"state", "param_groups"} or not isinstance(value["state"], Mapping):
+        return False
+    return any(isinstance(v, DTensor) for entry in value["state"].values() if isinstance(entry, Mapping)
+               for v in entry.values())
 
 
 def match(found: Parts, listing: Listing, path: str, strict: bool) -> Restore:
@@ -124,7 +139,7 @@ def _plan_optimizer(restore: Restore, key: str, optimizer: Any, state_dict: Any,
         pending = optimizer.prepare_load(state_dict)
     except StateDictError as exc:
         raise CheckpointError(f"{path}: the optimizer state at {key!r} does not fit the optimizer: {exc}") from exc
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
         raise CheckpointError(f"{path}: the optimizer state at {key!r} is malformed ({type(exc).__name__}: "
                               f"{exc})") from exc
     for name, target in pending.targets.items():
