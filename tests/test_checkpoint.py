@@ -243,6 +243,13 @@ def test_save_errors(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
         dt.save({"a": {1, 2}}, os.path.join(shared_dir, "x.h5"))
     with pytest.raises(dt.CheckpointError, match="cannot be a dataset name"):
         dt.save({"a..b": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "x.h5"))
+    for name in ("a\x00b", "\x00", "ok.a\x00"):  # HDF5 names end at a NUL: "a\x00b" was stored as "a"
+        for value in (dt.zeros(2, device_mesh=mesh1d), 1.5, {"inner": 2}):
+            with pytest.raises(dt.CheckpointError, match="no NUL character"):
+                dt.save({name: value}, os.path.join(shared_dir, "x.h5"))
+        with pytest.raises(dt.CheckpointError, match="no NUL character"):
+            dt.save({"outer": {name: 1}}, os.path.join(shared_dir, "x.h5"))
+    assert not os.path.exists(os.path.join(shared_dir, "x.h5"))
     if SIZE > 1:
         with pytest.raises(dt.CheckpointError, match="different state_dicts"):
             dt.save({f"k{RANK % 2}": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "x.h5"))
