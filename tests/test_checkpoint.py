@@ -962,3 +962,26 @@ def test_the_optimizers_checked_load_decides_before_anything_changes(mesh1d: dt.
     with pytest.raises(dt.CheckpointError, match=r"optimizer state at 'optim' is malformed.*non-negative"):
         dt.load(path, target)
     assert _unchanged(before, _snapshot(fresh, checked)) and target["epoch"] == 0, "a refused load changed the target"
+
+
+@pytest.mark.parametrize("where", ["every rank", "rank 0", "the last rank"])
+def test_a_missing_xxhash_raises_on_every_rank(where: str, mesh1d: dt.DeviceMesh, shared_dir: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23 item 5: without xxhash on some ranks (here with a 1-element tensor, so the other
+    ranks hash nothing), save and load raise CheckpointError on every rank, before any
+    collective that depends on hashing (before: rank 0 raised alone and MPICH aborted)."""
+    path = os.path.join(shared_dir, "hasher.h5")
+    state_dict = {"w": dt.distribute_tensor(np.arange(1.0), mesh1d, [dt.Shard(0)]), "step": 1}
+    dt.save(state_dict, path)
+    if where == "every rank" or {"rank 0": 0, "the last rank": SIZE - 1}.get(where) == RANK:
+        monkeypatch.setitem(sys.modules, "xxhash", None)  # as if it were not installed
+    with pytest.raises(dt.CheckpointError, match="checkpoints need xxhash"):
+        dt.save(state_dict, os.path.join(shared_dir, "other.h5"))
+    target: dict[str, Any] = {"w": dt.zeros(1, device_mesh=mesh1d), "step": 0}
+    for staging in ("all", "chunks"):
+        with pytest.raises(dt.CheckpointError, match="checkpoints need xxhash"):
+            dt.load(path, target, staging=staging)
+    assert not target["w"].to_local().any() and target["step"] == 0
+    monkeypatch.undo()
+    WORLD.Barrier()
+    assert not os.path.exists(os.path.join(shared_dir, "other.h5"))

@@ -47,7 +47,7 @@ from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
 from ..spmd import agreed, require_same
 from . import pieces, pytypes, targets, tree, validate
-from .checksum import checksum, digest
+from .checksum import checksum, digest, require_hasher
 from .reader import STAGING, own_checks, read_verified
 from .validate import FORMAT, VERSION
 
@@ -217,13 +217,14 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
     optimizer, "step": 100}, path)``. Collective: every rank calls it with the same structure
     and path. Raises ``CheckpointError`` on every rank if any rank fails; ``path`` is then untouched.
     """
-    h5py = _h5py()
     world = library_world()
     rank = world.Get_rank()
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     tmp = ""
     with agreed(world):
+        h5py = _h5py()  # h5py and xxhash on every rank (some may have nothing to hash)
+        require_hasher()
         if not isinstance(obj, Mapping):
             raise CheckpointError(f"save() needs a mapping (of DTensors, arrays and scalars), got {type(obj).__name__}")
         layout = tree.flatten(obj)
@@ -403,7 +404,6 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     copy of this rank's share of the target); ``staging="chunks"`` reads twice instead and needs
     one chunk (at most one tensor's piece) extra. See reader.py.
     """
-    h5py = _h5py()
     from ..nn.state import _check
 
     world = library_world()
@@ -411,7 +411,10 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     handle = None
     try:
         with agreed(world):
+            h5py = _h5py()  # h5py and xxhash on every rank (some may have nothing to hash)
+            require_hasher()
             found = targets.parts(target)  # what cannot be loaded into raises on every rank
+        with agreed(world):  # apart: a rank that failed above must not meet the others' comparison
             _same_everywhere(world, {"paths": ("path", path), "staging options": ("staging", repr(staging))})
             if staging not in STAGING:
                 raise CheckpointError(f"load(staging={staging!r}): use one of {', '.join(STAGING)}")
