@@ -275,21 +275,26 @@ def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]])
 
 
 def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
-    f.attrs["format"] = FORMAT
+    f.attrs["format"] = _fixed(FORMAT)  # strings the loader reads are fixed-length (validate._attribute)
     f.attrs["version"] = VERSION
     f.attrs[validate.LAYOUT] = validate.layout_digest(
         groups, [(slab.key, str(slab.attrs.get(pytypes.ATTRIBUTE, "")), slab.dtype.str, slab.shape) for slab in slabs])
     for key, kind in sorted(groups.items()):
         group = f.require_group(_group_path(key)) if key else f
         if kind:
-            group.attrs[pytypes.ATTRIBUTE] = kind
+            group.attrs[pytypes.ATTRIBUTE] = _fixed(kind)
     out = {}
     for slab in slabs:
         ds = f.create_dataset(_group_path(slab.key), shape=slab.shape, dtype=slab.dtype)
-        ds.attrs["dtype"] = slab.dtype.str
-        ds.attrs.update(slab.attrs)
+        ds.attrs["dtype"] = _fixed(slab.dtype.str)
+        ds.attrs.update({k: _fixed(v) if k == pytypes.ATTRIBUTE else v for k, v in slab.attrs.items()})
         out[slab.key] = ds
     return out
+
+
+def _fixed(text: str) -> np.bytes_:
+    """A fixed-length string attribute (h5py writes a ``str`` variable-length, in the global heap)."""
+    return np.bytes_(text.encode("utf-8"))
 
 
 def _gathered_checksums(world: MPI.Intracomm, slabs: list[_Slab]) -> list[tuple[int, np.ndarray | None]]:
@@ -424,14 +429,17 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
             handle = _open(h5py, world, path)
         except Exception as exc:  # agreed below, with the validation
             failed = exc
-        with agreed(world):  # one agreement for the open (collective with MPI-IO) and the validation
+        # one agreement for the open (collective with MPI-IO) and the validation; h5py's raw errors
+        # on damaged metadata become a CheckpointError naming the file
+        with agreed(world), validate.damaged(path):
             if failed is not None:
                 raise failed
             version = validate.check_header(handle, path)
-            listing = validate.scan(handle, path)
+            listing = validate.scan(handle, path, legacy=version < 3)
             validate.check_layout(handle, listing, path, version)
             restore = targets.match(found, listing, path, strict)
-            keys = _check(cast(Mapping[str, Any], restore.tensors), {k: listing.tensors[k].dataset for k in restore.tensors}, strict=False)
+            keys = _check(cast(Mapping[str, Any], restore.tensors),
+                          {k: listing.tensors[k].dataset for k in restore.tensors}, strict=False)
             mine = own_checks(restore.tensors, listing.tensors, keys)
         try:
             read_verified(restore.tensors, listing.tensors, keys, path, staging, mine)

@@ -50,7 +50,7 @@ from ..redistribute import array_namespace
 from ..spmd import agreed
 from . import pieces
 from .checksum import MASK, checksum, digest, gathered_sums
-from .validate import Entry
+from .validate import Entry, damaged
 
 STAGING = ("all", "chunks")
 CHUNK_BYTES = 16 << 20
@@ -72,27 +72,29 @@ def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys:
     VERIFIED.clear()
     VERIFIED.update((key, "lin64" if expect[key] is None else "xxh3") for key in keys)
     if staging == "all":
-        staged, problem = _attempt(lambda: {key: _read_all(params[key], entries[key].dataset, expect[key])
-                                            for key in keys})
+        staged, problem = _attempt(path, lambda: {key: _read_all(params[key], entries[key].dataset, expect[key])
+                                                  for key in keys})
         _verify(world, keys, [staged[k][1] for k in keys] if staged else [0] * len(keys), params, entries, expect,
                 path, problem)
         for key in keys:
             _commit(params[key], staged.pop(key)[0])
         return
-    first, problem = _attempt(lambda: {key: _first_pass(params[key], entries[key].dataset, expect[key])
-                                       for key in keys})
+    first, problem = _attempt(path, lambda: {key: _first_pass(params[key], entries[key].dataset, expect[key])
+                                             for key in keys})
     _verify(world, keys, [first[k][1] for k in keys] if first else [0] * len(keys), params, entries, expect,
             path, problem)
-    with agreed(world):
+    with agreed(world), damaged(path, "the second reading pass"):
         for key in keys:
             _stream_into(params[key], entries[key].dataset, first[key][0], path, key)
 
 
-def _attempt(read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Exception | None]:
+def _attempt(path: str, read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Exception | None]:
     """Run this rank's reads; a failure is kept for ``_verify``'s Allgather to agree on (one
-    collective carries both the terms and every rank's status)."""
+    collective carries both the terms and every rank's status), h5py's raw errors as a
+    ``CheckpointError`` naming the file."""
     try:
-        return read(), None
+        with damaged(path, "reading the data"):
+            return read(), None
     except Exception as exc:
         return {}, exc
 

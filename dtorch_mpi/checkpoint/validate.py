@@ -23,7 +23,8 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from math import prod
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DTensorError
 from . import pieces, pytypes
 
 FORMAT = "dtorch_mpi"
@@ -55,13 +56,15 @@ def check_header(f: Any, path: str) -> int:
     """The file's ``format`` and ``version`` attributes, strictly typed; returns the version."""
     if not _has(f.id, "format"):
         raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (no format attribute)")
-    fmt = _attribute(f, "format", path, "/")
+    version = _attribute(f, "version", path, "/", integer=True) if _has(f.id, "version") else None
+    fmt = _attribute(f, "format", path, "/", legacy=version is not None and version < 3)
     if isinstance(fmt, bytes):
         fmt = fmt.decode("utf-8", "replace")
     if not isinstance(fmt, str) or fmt != FORMAT:
         raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (format attribute {_show(fmt)}; "
                               f"expected the string {FORMAT!r})")
-    version = _attribute(f, "version", path, "/")
+    if version is None:
+        raise CheckpointError(f"{path}: / lacks the attribute 'version'")
     if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
         raise CheckpointError(f"{path}: attribute 'version' must be an integer, got {_show(version)}")
     if int(version) not in READABLE:
@@ -117,15 +120,19 @@ class Listing:
     groups: dict[str, str] = field(default_factory=dict)
 
 
-def scan(f: Any, path: str) -> Listing:
-    """Every group and dataset of the file, after checking links, storage, filters, sizes and attributes."""
+def scan(f: Any, path: str, legacy: bool = False) -> Listing:
+    """Every group and dataset of the file, after checking links, storage, filters, sizes and
+    attributes (``legacy``: a version-2 file, whose strings are variable-length)."""
     h5py = _h5py()
     found = Listing()
     seen: set[int] = set()
-    found.groups[""] = _group_type(f, path, "/")
+    found.groups[""] = _group_type(f, path, "/", legacy)
 
     def walk(group: Any, prefix: str) -> None:
         for name in group:
+            if not isinstance(name, str):  # h5py gives a name that is not UTF-8 as bytes
+                raise CheckpointError(f"{path}: {prefix}/ holds a member named {name!r}, which is not UTF-8 "
+                                      f"(save writes UTF-8 names): the file's structure is damaged")
             where = f"{prefix}/{name}"
             if group.id.links.get_info(name.encode()).type != h5py.h5l.TYPE_HARD:
                 link = group.get(name, getlink=True)
@@ -143,12 +150,12 @@ def scan(f: Any, path: str) -> Listing:
             seen.add(address)
             key = where[1:].replace("/", ".")
             if isinstance(obj, h5py.Group):
-                found.groups[key] = _group_type(obj, path, where)
+                found.groups[key] = _group_type(obj, path, where, legacy)
                 walk(obj, where)
             elif isinstance(obj, h5py.Dataset):
-                entry = Entry(obj, _check_dataset(obj, where, path), _piece_table(obj, where, path))
+                entry = Entry(obj, _check_dataset(obj, where, path, legacy), _piece_table(obj, where, path))
                 if _has(obj.id, pytypes.ATTRIBUTE):
-                    kind = _attribute(obj, pytypes.ATTRIBUTE, path, where)
+                    kind = _attribute(obj, pytypes.ATTRIBUTE, path, where, legacy=legacy)
                     found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
                 else:
                     found.tensors[key] = entry
@@ -164,14 +171,31 @@ def scan(f: Any, path: str) -> Listing:
     return found
 
 
-def _group_type(group: Any, path: str, where: str) -> str:
-    kind = _attribute(group, pytypes.ATTRIBUTE, path, where) if _has(group.id, pytypes.ATTRIBUTE) else ""
+RAW_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError)
+"""What h5py raises on a damaged file (e.g. RuntimeError "bad version number for attribute
+message"); the library's own errors (``DTensorError``) pass through ``damaged`` unchanged."""
+
+
+@contextmanager
+def damaged(path: str, doing: str = "reading its metadata") -> Iterator[None]:
+    """Turn h5py's raw errors on a damaged file into a ``CheckpointError`` naming the file."""
+    try:
+        yield
+    except DTensorError:
+        raise
+    except RAW_ERRORS as exc:
+        raise CheckpointError(f"{path}: the file is damaged ({doing} failed: {type(exc).__name__}: {exc}); "
+                              f"nothing was loaded") from exc
+
+
+def _group_type(group: Any, path: str, where: str, legacy: bool) -> str:
+    kind = _attribute(group, pytypes.ATTRIBUTE, path, where, legacy=legacy) if _has(group.id, pytypes.ATTRIBUTE) else ""
     return pytypes.check_group(kind, f"{path}: group {where}")
 
 
-def _check_dataset(ds: Any, where: str, path: str) -> int:
+def _check_dataset(ds: Any, where: str, path: str, legacy: bool = False) -> int:
     """Refuse what could read outside the file or allocate without bound; return the stored checksum."""
-    from h5py import h5d
+    from h5py import h5d, h5t
 
     what = f"{path}: dataset {where}"
     dcpl = ds.id.get_create_plist()  # once (``ds.is_virtual`` would make another)
@@ -195,7 +219,10 @@ def _check_dataset(ds: Any, where: str, path: str) -> int:
                for i in range(dcpl.get_nfilters())]
     if filters:
         raise CheckpointError(f"{what} uses HDF5 filters {filters}; dtorch_mpi checkpoints use none (refused)")
-    stored = _attribute(ds, "dtype", path, where)
+    if not ds.id.get_type().equal(h5t.py_create(ds.dtype)):
+        raise CheckpointError(f"{what} has an HDF5 type that is not the standard one for {ds.dtype.str} "
+                              f"(a damaged type message); refused")
+    stored = _attribute(ds, "dtype", path, where, legacy=legacy)
     if isinstance(stored, bytes):
         stored = stored.decode("utf-8", "replace")
     if not isinstance(stored, str) or stored != ds.dtype.str:
@@ -220,13 +247,17 @@ def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
 
 
 def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,
-               layout: Callable[[np.dtype, tuple[int, ...]], None] | None = None) -> Any:
+               layout: Callable[[np.dtype, tuple[int, ...]], None] | None = None, *, legacy: bool = False,
+               integer: bool = False) -> Any:
     """Read one attribute after bounding its size; a missing one is an error (so is an array,
     unless ``scalar`` is False; ``layout`` checks an array's stored type and shape). Both are
     checked before the read: the storage size does not bound variable-length contents. Opened
     once through h5py's low-level API (``obj.attrs[name]`` costs three opens and a new Group for
-    a File: it was most of a small load's time)."""
-    from h5py import h5a
+    a File: it was most of a small load's time). Its HDF5 type is checked before the read too:
+    a standard number or string type (``_standard_type``), an integer where ``integer`` says so,
+    and no variable-length string unless ``legacy`` (version 2): those live in the global heap,
+    on a damaged one of which HDF5 can hang; version 3 writes fixed-length strings."""
+    from h5py import h5a, h5t
 
     if not _has(obj.id, name):
         raise CheckpointError(f"{path}: {where} lacks the attribute {name!r}")
@@ -240,11 +271,45 @@ def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,
                               f"expected a scalar")
     if layout is not None:
         layout(attr.dtype, tuple(attr.shape or ()))
+    tid = attr.get_type()
+    if not _standard_type(tid):
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} has a malformed or unsupported HDF5 type "
+                              f"(not a standard integer, float or string type); the file's metadata is damaged")
+    if integer and tid.get_class() != h5t.INTEGER:
+        word = "str" if tid.get_class() == h5t.STRING else "float"
+        raise CheckpointError(f"{path}: attribute {name!r} must be an integer, got a {word}")
+    if tid.get_class() == h5t.STRING and tid.is_variable_str() and not legacy:
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} is a variable-length string; version-3 "
+                              f"files store fixed-length strings: the file's metadata is damaged")
     try:
         value = _value(attr)
-    except (OSError, TypeError, ValueError) as exc:
+    except (OSError, TypeError, ValueError, RuntimeError, KeyError) as exc:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} cannot be read ({exc})") from exc
     return value
+
+
+def _standard_type(tid: Any) -> bool:
+    """Whether an HDF5 type is one h5py converts safely: a standard integer or IEEE float type
+    (of either byte order), or a string of a known character set and padding. A damaged type
+    message can hold reserved field values that make the read crash the process (a segfault
+    in the type conversion): such a type is refused before anything is read."""
+    from h5py import h5t
+
+    kind = tid.get_class()
+    if kind == h5t.STRING:
+        return bool(tid.get_cset() in (h5t.CSET_ASCII, h5t.CSET_UTF8)
+                    and tid.get_strpad() in (h5t.STR_NULLTERM, h5t.STR_NULLPAD, h5t.STR_SPACEPAD))
+    if kind in (h5t.INTEGER, h5t.FLOAT):
+        return any(tid.equal(t) for t in _standard_numbers())
+    return False
+
+
+def _standard_numbers() -> list[Any]:
+    from h5py import h5t
+
+    return [getattr(h5t, f"{kind}{bits}{order}") for kind in ("STD_I", "STD_U") for bits in (8, 16, 32, 64)
+            for order in ("LE", "BE")] + [getattr(h5t, f"IEEE_F{bits}{order}") for bits in (32, 64)
+                                          for order in ("LE", "BE")]
 
 
 def _has(oid: Any, name: str) -> bool:
