@@ -4,6 +4,7 @@ pip-only stack (serial h5py: ranks write in turn) and on the parallel-HDF5 stack
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -990,3 +991,16 @@ def test_a_missing_xxhash_raises_on_every_rank(where: str, mesh1d: dt.DeviceMesh
     monkeypatch.undo()
     WORLD.Barrier()
     assert not os.path.exists(os.path.join(shared_dir, "other.h5"))
+
+
+def test_a_directory_missing_on_some_ranks_names_them(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a cluster a node-local directory (/tmp) exists on some ranks only: the save refuses on
+    every rank, naming the ranks that lack it (why the examples default to the working directory)."""
+    if RANK > 0:  # as if shared_dir were node-local to rank 0
+        real = os.path.isdir
+        monkeypatch.setattr(os.path, "isdir", lambda p: False if p == shared_dir else real(p))
+    ranks = ", ".join(map(str, range(1, SIZE)))
+    pattern = f"directory {shared_dir} does not exist" + (rf" \[on ranks? {ranks}\]" if SIZE > 1 else "")
+    with pytest.raises(dt.CheckpointError, match=pattern) if SIZE > 1 else contextlib.nullcontext():
+        dt.save({"w": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "x.h5"))
