@@ -299,17 +299,9 @@ def _standard_type(tid: Any) -> bool:
     if kind == h5t.STRING:
         return bool(tid.get_cset() in (h5t.CSET_ASCII, h5t.CSET_UTF8)
                     and tid.get_strpad() in (h5t.STR_NULLTERM, h5t.STR_NULLPAD, h5t.STR_SPACEPAD))
-    if kind in (h5t.INTEGER, h5t.FLOAT):
-        return any(tid.equal(t) for t in _standard_numbers())
+    if kind in (h5t.INTEGER, h5t.FLOAT):  # every field (precision, offset, exponent...) as the standard type has it
+        return bool(tid.equal(h5t.py_create(tid.dtype)))
     return False
-
-
-def _standard_numbers() -> list[Any]:
-    from h5py import h5t
-
-    return [getattr(h5t, f"{kind}{bits}{order}") for kind in ("STD_I", "STD_U") for bits in (8, 16, 32, 64)
-            for order in ("LE", "BE")] + [getattr(h5t, f"IEEE_F{bits}{order}") for bits in (32, 64)
-                                          for order in ("LE", "BE")]
 
 
 def _has(oid: Any, name: str) -> bool:
