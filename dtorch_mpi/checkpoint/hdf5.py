@@ -423,7 +423,7 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
             _same_everywhere(world, {"paths": ("path", path), "staging options": ("staging", repr(staging))})
             if staging not in STAGING:
                 raise CheckpointError(f"load(staging={staging!r}): use one of {', '.join(STAGING)}")
-            _check_openable(h5py, path)
+            _check_openable(h5py, path, world)
         try:
             failed: Exception | None = None
             handle = _open(h5py, world, path)
@@ -455,11 +455,19 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     return target
 
 
-def _check_openable(h5py: Any, path: str) -> None:
+def _check_openable(h5py: Any, path: str, world: MPI.Intracomm) -> None:
+    """The file exists and is HDF5; before a collective MPI-IO open, rank 0 also opens it alone
+    (agreed by the caller): HDF5's collective open hangs on some damaged superblocks (an error
+    on one rank, the others waiting in its broadcast), where a serial open just fails."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     if not h5py.is_hdf5(path):
         raise CheckpointError(f"{path} is not an HDF5 file (truncated, corrupt or another format)")
+    if has_parallel_hdf5() and world.Get_size() > 1 and world.Get_rank() == 0:
+        try:
+            h5py.File(path, "r").close()
+        except Exception as exc:
+            raise CheckpointError(f"{path} cannot be opened as HDF5: {exc}") from exc
 
 
 def _open(h5py: Any, world: MPI.Intracomm, path: str) -> Any:
