@@ -19,7 +19,6 @@ from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import hdf5 as ck
-from dtorch_mpi.checkpoint import validate
 from dtorch_mpi.checkpoint.checksum import checksum
 
 WORLD = MPI.COMM_WORLD
@@ -274,18 +273,6 @@ def _replace(f: h5py.File, name: str, make: Any) -> None:
         f[name].attrs.update(attrs)
 
 
-def reseal(path: str) -> None:
-    """Give a crafted file the ``layout`` digest of what it now holds (as a forger would), so the
-    checks after it are what refuses it; a file that ``scan`` already refuses is left as it is."""
-    with h5py.File(path, "r") as f:
-        try:
-            digest = validate.listing_digest(validate.scan(f, path))
-        except dt.CheckpointError:
-            return
-    with h5py.File(path, "r+") as f:
-        f.attrs[validate.LAYOUT] = digest
-
-
 def _patch_bytes(path: str, name: str, edit: Any) -> None:
     """Edit dataset ``name``'s stored bytes in place, found with ``get_offset``."""
     with h5py.File(path, "r") as f:
@@ -365,6 +352,18 @@ def _craft(kind: str, path: str, d: str) -> None:
         with h5py.File(path, "r+", libver="latest") as f:
             _replace(f, "layer1/w", lambda g, n: g.create_dataset(n, data=value))
             f["layer1/w"].attrs["checksum"] = np.zeros(1 << 14, np.uint64)
+
+
+def reseal(path: str) -> None:
+    """Give a crafted file the ``layout`` digest of what it now holds (as a forger would), so the
+    checks after it are what refuses it; a file that ``scan`` already refuses is left as it is."""
+    with h5py.File(path, "r") as f:
+        try:
+            digest = ck.validate.listing_digest(ck.validate.scan(f, path))
+        except dt.CheckpointError:
+            return
+    with h5py.File(path, "r+") as f:
+        f.attrs[ck.validate.LAYOUT] = digest
 
 
 UNTRUSTED = {  # kind -> what the error must say (each names the dataset or attribute)

@@ -11,7 +11,6 @@ import os
 import numpy as np
 import pytest
 from conftest import SIZE, Checker
-from test_redistribute import make_pieces
 
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import reader
@@ -28,6 +27,17 @@ def layouts(mesh: dt.DeviceMesh) -> list[tuple[str, dt.DeviceMesh, list[dt.Place
     whole = [dt.Shard(0), *[dt.Replicate()] * (mesh.ndim - 2), dt.Shard(1)]
     mixed = [dt.Partial("sum"), *[dt.Shard(1)] * (mesh.ndim - 2), dt.Shard(0)]
     return out + [(f"mesh:{plc}", mesh, plc) for plc in (whole, mixed)]
+
+
+def make_pieces(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
+    """This rank's piece; a Partial("sum") dim holds terms that differ per coordinate and add up."""
+    shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
+    piece = full[tuple(slice(o, o + n) for o, n in zip(off, shape))].copy()
+    coord = mesh.get_coordinate()
+    for k, p in enumerate(placements):
+        if isinstance(p, dt.Partial):  # only "sum" here
+            piece = piece - sum(range(1, mesh.shape[k])) if coord[k] == 0 else np.full_like(piece, coord[k])
+    return piece
 
 
 def value(shape: tuple[int, ...], seed: int) -> np.ndarray:
