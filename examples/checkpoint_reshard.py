@@ -1,8 +1,10 @@
 """Save a tensor-parallel model at 4 ranks, load it at 2 (resharding on load).
 
-Run: python examples/checkpoint_reshard.py DIR   -- it launches both phases itself:
+Run: python examples/checkpoint_reshard.py [DIR]   -- it launches both phases itself:
   mpiexec -n 4 python examples/checkpoint_reshard.py DIR save
   mpiexec -n 2 python examples/checkpoint_reshard.py DIR load
+DIR (default: the working directory) holds mlp.h5 and must be a directory every rank sees (on
+a cluster, a shared file system; /tmp is node-local).
 """
 
 import os
@@ -28,8 +30,8 @@ def reference() -> dict:
 
 
 def main() -> None:
-    directory = sys.argv[1]
-    if len(sys.argv) == 2:  # the driver: both phases under mpiexec
+    directory = sys.argv[1] if len(sys.argv) > 1 else os.getcwd()
+    if len(sys.argv) <= 2:  # the driver: both phases under mpiexec
         mpiexec = os.environ.get("MPIEXEC", os.path.join(os.path.dirname(sys.executable), "mpiexec"))
         for n, phase in ((4, "save"), (2, "load")):
             # env= explicitly: os.environ is the environment Python started with, while importing

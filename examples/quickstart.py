@@ -1,11 +1,15 @@
-"""dtorch_mpi quickstart: `mpiexec -n 4 python examples/quickstart.py` (what `make demo` runs).
+"""dtorch_mpi quickstart: `mpiexec -n 4 python examples/quickstart.py [CHECKPOINT]` (what `make demo` runs).
+
+CHECKPOINT (default: quickstart.h5 in the working directory) must be a path every rank sees:
+on a cluster, a shared file system (the working directory of a job usually is; /tmp is
+node-local). A directory missing on some ranks is a CheckpointError naming those ranks.
 
 Every rank runs this same program; rank 0 prints. An uncaught exception on any rank ends the
 whole job at once (dtorch_mpi's abort-on-exception hook; DTORCH_ABORT_ON_EXCEPTION=0 opts out).
 """
 
 import os
-import tempfile
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -49,7 +53,7 @@ lin = dt.parallelize_module(dt.nn.Linear(11, 2 * size + 1, device_mesh=mesh), me
 weights = {"weight": np.ones((2 * size + 1, 11), np.float32), "bias": np.zeros(2 * size + 1, np.float32)}
 lin.load_state_dict(weights)
 say("weight local piece:", lin.weight.to_local().shape, "of", lin.weight.shape)
-path = MPI.COMM_WORLD.bcast(os.path.join(tempfile.mkdtemp(), "quickstart.h5") if rank == 0 else None)
+path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.getcwd(), "quickstart.h5")  # seen by every rank
 dt.save(lin.state_dict(), path)
 again = dt.nn.Linear(11, 2 * size + 1, device_mesh=mesh)  # replicated: resharded on load
 dt.load(path, again)

@@ -4,6 +4,7 @@ pip-only stack (serial h5py: ranks write in turn) and on the parallel-HDF5 stack
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from typing import Any
@@ -73,13 +74,13 @@ def test_partial_is_saved_reduced_and_plain_h5py_reads_it(mesh1d: dt.DeviceMesh,
     dt.save(sd, path)
     if RANK == 0:
         with h5py.File(path, "r") as f:
-            assert f.attrs["format"] == "dtorch_mpi" and int(f.attrs["version"]) == 2
+            assert f.attrs["format"] == b"dtorch_mpi" and int(f.attrs["version"]) == 3  # fixed-length strings
             for i in range(len(LAYOUTS_1D)):
                 ds = f[f"layer{i}/w"]
                 assert ds.shape == (2 * SIZE + 1, 4) and ds.dtype == np.float64
                 assert np.array_equal(ds[()], fulls[f"layer{i}.w"])
                 assert ds.attrs["placements"] == repr(LAYOUTS_1D[i])
-                assert ds.attrs["dtype"] == "<f8"
+                assert ds.attrs["dtype"] == b"<f8"
                 # the collectively combined checksum is the checksum of the complete array
                 assert int(ds.attrs["checksum"]) == checksum(fulls[f"layer{i}.w"], (0, 0), ds.shape)
 
@@ -222,7 +223,8 @@ def test_damaged_and_foreign_files_are_rejected_everywhere(damage: str, mesh1d: 
             with h5py.File(path, "r+") as f:
                 del f["layer1/w"]
                 f["layer1/w"] = np.zeros((2, 2)) if damage == "shape" else np.zeros((2 * SIZE + 1, 3), np.complex64)
-                f["layer1/w"].attrs.update(dtype=f["layer1/w"].dtype.str, checksum=np.uint64(0))  # well formed
+                f["layer1/w"].attrs.update(dtype=np.bytes_(f["layer1/w"].dtype.str), checksum=np.uint64(0))  # well formed
+            reseal(path)
     WORLD.Barrier()
     tgt = {f"layer{i}.w": dt.zeros(2 * SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
            for i in range(2)}
@@ -242,6 +244,13 @@ def test_save_errors(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
         dt.save({"a": {1, 2}}, os.path.join(shared_dir, "x.h5"))
     with pytest.raises(dt.CheckpointError, match="cannot be a dataset name"):
         dt.save({"a..b": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "x.h5"))
+    for name in ("a\x00b", "\x00", "ok.a\x00"):  # HDF5 names end at a NUL: "a\x00b" was stored as "a"
+        for value in (dt.zeros(2, device_mesh=mesh1d), 1.5, {"inner": 2}):
+            with pytest.raises(dt.CheckpointError, match="no NUL character"):
+                dt.save({name: value}, os.path.join(shared_dir, "x.h5"))
+        with pytest.raises(dt.CheckpointError, match="no NUL character"):
+            dt.save({"outer": {name: 1}}, os.path.join(shared_dir, "x.h5"))
+    assert not os.path.exists(os.path.join(shared_dir, "x.h5"))
     if SIZE > 1:
         with pytest.raises(dt.CheckpointError, match="different state_dicts"):
             dt.save({f"k{RANK % 2}": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "x.h5"))
@@ -334,6 +343,18 @@ def _craft(kind: str, path: str, d: str) -> None:
             f["layer1/w"].attrs["checksum"] = np.zeros(1 << 14, np.uint64)
 
 
+def reseal(path: str) -> None:
+    """Give a crafted file the ``layout`` digest of what it now holds (as a forger would), so the
+    checks after it are what refuses it; a file that ``scan`` already refuses is left as it is."""
+    with h5py.File(path, "r") as f:
+        try:
+            digest = ck.validate.listing_digest(ck.validate.scan(f, path))
+        except dt.CheckpointError:
+            return
+    with h5py.File(path, "r+") as f:
+        f.attrs[ck.validate.LAYOUT] = digest
+
+
 UNTRUSTED = {  # kind -> what the error must say (each names the dataset or attribute)
     "external": "layer1/w keeps its data in external files",
     "virtual": "layer1/w is a virtual dataset",
@@ -345,10 +366,10 @@ UNTRUSTED = {  # kind -> what the error must say (each names the dataset or attr
     "null_dataspace": "layer1/w has a null dataspace",
     "dotted_name": r"/layer1\.w has a '\.' in its name",
     "format_array": "attribute 'format' of / is an array",
-    "version_str": "attribute 'version' must be an integer, got str 'one'",
+    "version_str": "attribute 'version' must be an integer, got a str",
     "version_list": "attribute 'version' of / is an array",
     "checksum_array_type": r"attribute 'checksum' of /layer1/w is an array of shape \(3,\); expected a scalar",
-    "version_float": "attribute 'version' must be an integer, got float 1.9",
+    "version_float": "attribute 'version' must be an integer, got a float",
     "version_1": "version 1 predates per-dataset checksums",
     "dtype_flip": "layer1/w is stored as <u8 but its 'dtype' attribute says str '<f8'",
     "never_written": "layer1/w has no data stored",
@@ -585,10 +606,10 @@ def test_scalars_round_trip_with_exact_types(mesh1d: dt.DeviceMesh, shared_dir: 
         assert np.array_equal(tgt[k].to_torch(), fulls[k]), k
     if RANK == 0:  # plain h5py reads every value
         with h5py.File(path, "r") as f:
-            assert f["step"][()] == 7 and f["step"].attrs["pytype"] == "int"
-            assert f["name"][()].tobytes().decode() == "héllo ✓" and f["mixed"].attrs["pytype"] == "list"
-            assert list(f["betas"][()]) == [0.9, 0.999] and f["betas"].attrs["pytype"] == "tuple[float]"
-            assert f["nested/deep"].attrs["pytype"] == "dict[int]" and f["dotted/key"][()] == 3
+            assert f["step"][()] == 7 and f["step"].attrs["pytype"] == b"int"
+            assert f["name"][()].tobytes().decode() == "héllo ✓" and f["mixed"].attrs["pytype"] == b"list"
+            assert list(f["betas"][()]) == [0.9, 0.999] and f["betas"].attrs["pytype"] == b"tuple[float]"
+            assert f["nested/deep"].attrs["pytype"] == b"dict[int]" and f["dotted/key"][()] == 3
 
 
 def test_save_refuses_unstorable_keys_and_values(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
@@ -687,11 +708,11 @@ def _craft_scalar(kind: str, path: str) -> None:
             if name in f:
                 del f[name]
             f[name] = data
-            f[name].attrs.update(attrs, dtype=data.dtype.str,
+            f[name].attrs.update(attrs, dtype=np.bytes_(data.dtype.str),
                                  checksum=np.uint64(checksum(data, (0,) * data.ndim, data.shape)))
-            f[name].attrs["pytype"] = pytype
+            f[name].attrs["pytype"] = np.bytes_(pytype) if isinstance(pytype, str) else pytype
         if kind == "unknown_pytype":
-            f["step"].attrs["pytype"] = "complex"
+            f["step"].attrs["pytype"] = np.bytes_("complex")
         elif kind == "pytype_not_str":
             f["step"].attrs["pytype"] = 5
         elif kind == "int_stored_as_float":
@@ -703,7 +724,7 @@ def _craft_scalar(kind: str, path: str) -> None:
         elif kind == "none_not_empty":
             put("none", np.zeros(2, dtype=np.uint8), "None")
         elif kind == "group_pytype":
-            f["mixed"].attrs["pytype"] = "set"
+            f["mixed"].attrs["pytype"] = np.bytes_("set")
         elif kind == "list_member_missing":
             del f["mixed/0"]
         elif kind == "dict_int_member":
@@ -716,7 +737,7 @@ def _craft_scalar(kind: str, path: str) -> None:
             attrs = {k: v for k, v in f["optim/state/0/step"].attrs.items() if k != "pytype"}
             del f["optim/state/0/step"]
             f["optim/state/0/step"] = np.array(2)
-            f["optim/state/0/step"].attrs.update(attrs, dtype=np.dtype(int).str)
+            f["optim/state/0/step"].attrs.update(attrs, dtype=np.bytes_(np.dtype(int).str))
         elif kind == "optimizer_groups":
             put("optim/param_groups/0/params", np.arange(3), "list[int]")
         elif kind == "hyperparameter_type":
@@ -730,6 +751,7 @@ def _craft_scalar(kind: str, path: str) -> None:
             _replace(f, "optim/state/0/exp_avg", lambda g, n: g.create_dataset(n, data=np.zeros((1, 3))))
             f["optim/state/0/exp_avg"].attrs["checksum"] = np.uint64(0)
             del f["optim/state/0/exp_avg"].attrs["pieces"]  # the old table no longer fits the shape
+    reseal(path)
 
 
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
@@ -803,3 +825,170 @@ def test_the_package_imports_and_computes_without_the_checkpoint_extras(missing:
     proc = run([sys.executable, "-c", _WITHOUT, *missing], timeout=120, env=child_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"save: checkpoints {needs}" in proc.stdout, proc.stdout + proc.stderr
+
+
+# ---- what decides how a value is restored is verified (issue 23 item 2) ----
+
+RETYPED = {  # edit -> what it changes about how the file's values come back
+    "list_to_tuple": lambda f: f["seq"].attrs.__setitem__("pytype", np.bytes_("tuple[float]")),
+    "str_to_bools": lambda f: f["name"].attrs.__setitem__("pytype", np.bytes_("list[bool]")),
+    "tensor_to_scalar": lambda f: f["w"].attrs.__setitem__("pytype", np.bytes_("list[float]")),
+    "scalar_to_tensor": lambda f: f["seq"].attrs.__delitem__("pytype"),
+    "group_list_to_tuple": lambda f: f["mixed"].attrs.__setitem__("pytype", np.bytes_("tuple")),
+    "pytype_variable_length": lambda f: f["seq"].attrs.__setitem__("pytype", "list[float]"),  # h5py's str
+    "group_list_to_mapping": lambda f: f["mixed"].attrs.__delitem__("pytype"),
+    "extra_dataset": lambda f: f.copy(f["seq"], "seq2"),
+    "layout_flipped": lambda f: f.attrs.__setitem__("layout", np.uint64(int(f.attrs["layout"]) ^ 1)),
+    "layout_missing": lambda f: f.attrs.__delitem__("layout"),
+    "version_2_with_layout": lambda f: f.attrs.__setitem__("version", 2),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(RETYPED))
+def test_a_changed_pytype_or_layout_is_refused(edit: str, mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """The ``pytype`` attributes (and the names, dtypes and shapes) are covered by the root's
+    ``layout`` digest: any change is a CheckpointError on every rank, and nothing changes."""
+    path = os.path.join(shared_dir, "retyped.h5")
+    w = dt.distribute_tensor(full_value((N_ROWS,), 0), mesh1d, [dt.Shard(0)])
+    dt.save({"w": w, "seq": [1.0, 2.0], "name": "ab", "mixed": [1, "a"]}, path)
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            RETYPED[edit](f)
+    WORLD.Barrier()
+    target: dict[str, Any] = {"w": dt.zeros(N_ROWS, device_mesh=mesh1d), "seq": None, "name": None, "mixed": None}
+    pattern = {"layout_missing": "lacks the attribute 'layout'", "pytype_variable_length": "variable-length string",
+               "version_2_with_layout": "a version-2 file with a 'layout' attribute"}.get(edit, "differ from what was saved")
+    for strict in (True, False):
+        with pytest.raises(dt.CheckpointError, match=pattern):
+            dt.load(path, target, strict=strict)
+        assert not target["w"].to_local().any() and target["seq"] is None and target["mixed"] is None
+
+
+def test_version_2_files_still_load(mesh1d: dt.DeviceMesh, shared_dir: str, check: Checker) -> None:
+    """A file of the previous format (no ``layout`` digest, variable-length strings) loads as before."""
+    path = os.path.join(shared_dir, "v2.h5")
+    full = full_value((N_ROWS, 3), 0)
+    dt.save({"w": dt.distribute_tensor(full, mesh1d, [dt.Shard(0)]), "step": 3}, path)
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            del f.attrs["layout"]
+            f.attrs["version"] = 2
+            for obj in [f, *(f[name] for name in f)]:  # version 2 wrote str attributes variable-length
+                for name in ("format", "dtype", "pytype"):
+                    if name in obj.attrs:
+                        obj.attrs[name] = obj.attrs[name].decode()
+    WORLD.Barrier()
+    target: dict[str, Any] = {"w": dt.zeros(N_ROWS, 3, dtype=np.float64, device_mesh=mesh1d), "step": 0}
+    dt.load(path, target)
+    check.equal(target["w"].full_tensor(), full, "a version-2 file's tensor")
+    check.true(target["step"] == 3, f"a version-2 file's scalar: {target['step']!r}")
+    check.done()
+
+
+@pytest.mark.parametrize("stored", ["float", "list", "group", "tensor_for_optimizer"])
+def test_a_kind_mismatch_is_refused_whatever_strict(stored: str, mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """A tensor target whose key holds a Python value or a group (``dt.save({"w": 1.5}, p)``),
+    or an optimizer whose key holds a tensor: CheckpointError on every rank, strict or not, and
+    the target keeps its values (before: the key was skipped and the load "succeeded")."""
+    path = os.path.join(shared_dir, "kinds.h5")
+    saved = {"float": 1.5, "list": [1.0, 2.0], "group": {"a": np.zeros(2)},
+             "tensor_for_optimizer": dt.zeros(N_ROWS, device_mesh=mesh1d)}[stored]
+    dt.save({"w": saved}, path)
+    model, opt = _training_state(mesh1d, 1)
+    before = _snapshot(model, opt)
+    w = dt.full((N_ROWS,), 2.0, device_mesh=mesh1d)
+    target: Any = {"w": opt} if stored == "tensor_for_optimizer" else {"w": w}
+    what = {"float": "a Python float", "list": "a Python list.float.", "group": "a mapping group",
+            "tensor_for_optimizer": "a tensor dataset"}[stored]
+    for strict in (True, False):
+        with pytest.raises(dt.CheckpointError, match=f"'w' is {what} .*nothing was loaded"):
+            dt.load(path, target, strict=strict)
+    assert np.all(w.to_local() == 2.0) and _unchanged(before, _snapshot(model, opt)), "a refused load changed it"
+
+
+# ---- training state: restored whole or refused (issue 23 item 3, the checkpoint side) ----
+
+def test_loading_into_an_optimizer_state_dict_is_refused(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """``dt.load(path, {"optim": opt.state_dict()})`` used to replace the moments (the live
+    tensors) but not the step counts or hyperparameters (copies): now refused, naming the fix,
+    with nothing changed; loading into the Optimizer restores all of it."""
+    path = os.path.join(shared_dir, "optim_sd.h5")
+    model, opt = _training_state(mesh1d, 0, lr=0.01)
+    dt.save({"optim": opt}, path)
+    other_model, other = _training_state(mesh1d, 1, lr=0.5)
+    for _ in range(2):  # a different step count, so a half restore would show
+        other.step()
+    before = _snapshot(other_model, other)
+    with pytest.raises(dt.CheckpointError, match=r"'optim' is an optimizer's state_dict\(\).*pass the Optimizer"):
+        dt.load(path, {"optim": other.state_dict()})
+    assert _unchanged(before, _snapshot(other_model, other)), "a refused load changed the optimizer"
+    slot: dict[str, Any] = {"optim": None}  # the other documented way: a slot, then the optimizer's own load
+    dt.load(path, slot)
+    other.load_state_dict(slot["optim"])
+    dt.load(path, {"optim": other})
+    assert _snapshot(other_model, other)[1:] == _snapshot(model, opt)[1:], "steps and hyperparameters restored"
+
+
+class _Checked(dt.optim.AdamW):
+    """An optimizer whose checked load refuses a negative step on rank 0 only (a verdict that
+    differs between ranks: the load must still raise on every rank)."""
+
+    def prepare_load(self, state_dict: Any) -> Any:
+        if RANK == 0 and any(s.get("step", 0) < 0 for s in state_dict["state"].values()):
+            raise ValueError("step must be a non-negative int")
+        return super().prepare_load(state_dict)
+
+
+def test_the_optimizers_checked_load_decides_before_anything_changes(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """dt.load routes optimizer state through the optimizer's own prepare_load: its refusal
+    (here on rank 0 only) is a CheckpointError on every rank, and neither the model, the
+    optimizer nor a slot changed."""
+    path = os.path.join(shared_dir, "steps.h5")
+    model, opt = _training_state(mesh1d, 0)
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = -1
+    dt.save({"model": model, "optim": sd, "epoch": 3}, path)
+    dt.manual_seed(1)
+    fresh = _TwoLayer(mesh1d, True)
+    checked = _Checked(fresh.parameters(), lr=0.5)
+    before = _snapshot(fresh, checked)
+    target: dict[str, Any] = {"model": fresh, "optim": checked, "epoch": 0}
+    with pytest.raises(dt.CheckpointError, match=r"optimizer state at 'optim' is malformed.*non-negative"):
+        dt.load(path, target)
+    assert _unchanged(before, _snapshot(fresh, checked)) and target["epoch"] == 0, "a refused load changed the target"
+
+
+@pytest.mark.parametrize("where", ["every rank", "rank 0", "the last rank"])
+def test_a_missing_xxhash_raises_on_every_rank(where: str, mesh1d: dt.DeviceMesh, shared_dir: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 23 item 5: without xxhash on some ranks (here with a 1-element tensor, so the other
+    ranks hash nothing), save and load raise CheckpointError on every rank, before any
+    collective that depends on hashing (before: rank 0 raised alone and MPICH aborted)."""
+    path = os.path.join(shared_dir, "hasher.h5")
+    state_dict = {"w": dt.distribute_tensor(np.arange(1.0), mesh1d, [dt.Shard(0)]), "step": 1}
+    dt.save(state_dict, path)
+    if where == "every rank" or {"rank 0": 0, "the last rank": SIZE - 1}.get(where) == RANK:
+        monkeypatch.setitem(sys.modules, "xxhash", None)  # as if it were not installed
+    with pytest.raises(dt.CheckpointError, match="checkpoints need xxhash"):
+        dt.save(state_dict, os.path.join(shared_dir, "other.h5"))
+    target: dict[str, Any] = {"w": dt.zeros(1, device_mesh=mesh1d), "step": 0}
+    for staging in ("all", "chunks"):
+        with pytest.raises(dt.CheckpointError, match="checkpoints need xxhash"):
+            dt.load(path, target, staging=staging)
+    assert not target["w"].to_local().any() and target["step"] == 0
+    monkeypatch.undo()
+    WORLD.Barrier()
+    assert not os.path.exists(os.path.join(shared_dir, "other.h5"))
+
+
+def test_a_directory_missing_on_some_ranks_names_them(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a cluster a node-local directory (/tmp) exists on some ranks only: the save refuses on
+    every rank, naming the ranks that lack it (why the examples default to the working directory)."""
+    if RANK > 0:  # as if shared_dir were node-local to rank 0
+        real = os.path.isdir
+        monkeypatch.setattr(os.path, "isdir", lambda p: False if p == shared_dir else real(p))
+    ranks = ", ".join(map(str, range(1, SIZE)))
+    pattern = f"directory {shared_dir} does not exist" + (rf" \[on ranks? {ranks}\]" if SIZE > 1 else "")
+    with pytest.raises(dt.CheckpointError, match=pattern) if SIZE > 1 else contextlib.nullcontext():
+        dt.save({"w": dt.zeros(2, device_mesh=mesh1d)}, os.path.join(shared_dir, "x.h5"))

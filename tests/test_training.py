@@ -133,5 +133,5 @@ def test_resume_on_another_plan_continues_the_uninterrupted_run(saved_on: str, r
     for name, value in want_final.items():
         np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-12, err_msg=name)
     with h5py.File(path, "r") as f:  # plain h5py reads the training state too
-        assert f["step"][()] == n and f["step"].attrs["pytype"] == "int"
+        assert f["step"][()] == n and f["step"].attrs["pytype"] == b"int"
         assert list(f["optim/param_groups/0/params"][()]) == list(range(6))

@@ -183,15 +183,21 @@ def digest(block: np.ndarray) -> int:
     return int(running_digest(block).intdigest())
 
 
-def running_digest(first: np.ndarray | None = None) -> Any:
-    """An ``xxh3_64`` hasher (``update(canonical(block))`` adds blocks in turn). ``xxhash`` comes
-    with checkpoints (the ``hdf5`` extra, like h5py), so it is imported here, not with the package."""
+def require_hasher() -> Any:
+    """The ``xxhash`` module, or ``CheckpointError``. ``xxhash`` comes with checkpoints (the
+    ``hdf5`` extra, like h5py), so it is imported here, not with the package. ``save`` and
+    ``load`` call this on every rank inside their first agreement: a rank that hashes nothing
+    (empty pieces) must fail with the others, before any collective that depends on hashing."""
     try:
         import xxhash
     except ImportError as exc:
         raise CheckpointError("checkpoints need xxhash: pip install xxhash (or dtorch_mpi[hdf5])") from exc
+    return xxhash
 
-    return xxhash.xxh3_64(canonical(first) if first is not None else b"")
+
+def running_digest(first: np.ndarray | None = None) -> Any:
+    """An ``xxh3_64`` hasher (``update(canonical(block))`` adds blocks in turn)."""
+    return require_hasher().xxh3_64(canonical(first) if first is not None else b"")
 
 
 def combine(terms: np.ndarray) -> int:

@@ -1,8 +1,9 @@
 """HDF5 checkpoints: one plain file, parallel writes, resharding loads, atomic saves.
 
 Layout: one dataset per tensor with its global shape and dtype; dotted names are groups
-(``layer.weight`` -> ``/layer/weight``). File attributes ``format = "dtorch_mpi"`` and
-``version``; dataset attributes ``dtype`` (the exact dtype string), ``checksum`` (checksum.py,
+(``layer.weight`` -> ``/layer/weight``). File attributes ``format = "dtorch_mpi"``,
+``version`` and ``layout`` (a digest of every name, ``pytype``, dtype and shape: validate.py);
+dataset attributes ``dtype`` (the exact dtype string), ``checksum`` (checksum.py,
 computed collectively from the written pieces), ``pieces`` (each written piece's region and
 xxh3, pieces.py: a load whose regions those pieces tile verifies with it), ``placements`` and ``mesh_shape``
 (information only: any target layout can load it). No pickle anywhere; plain h5py reads it.
@@ -46,7 +47,7 @@ from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
 from ..spmd import agreed, require_same
 from . import pieces, pytypes, targets, tree, validate
-from .checksum import checksum, digest
+from .checksum import checksum, digest, require_hasher
 from .reader import STAGING, own_checks, read_verified
 from .validate import FORMAT, VERSION
 
@@ -94,6 +95,19 @@ def _writer_piece(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...], Any] | 
     return offset, shape, np.ascontiguousarray(local).reshape(shape)  # ascontiguousarray makes 0-d 1-d
 
 
+def _writing_copies(world: MPI.Intracomm, tensors: Mapping[str, DTensor]) -> dict[str, bool]:
+    """Whether this rank's mesh writes each tensor. The disjoint meshes that may hold one key
+    (``mesh["tp"]`` of each dp row holds the same tensor) are copies of it: the one holding the
+    lowest world rank writes, so every element is written once (one Allreduce)."""
+    size = world.Get_size()
+    mine = np.array([int(t.device_mesh.mesh.min()) if t.device_mesh.get_coordinate() is not None else size
+                     for t in tensors.values()], dtype=np.int64)
+    lowest = np.empty_like(mine)
+    if len(mine):  # the same number of tensors on every rank (agreed by _same_everywhere)
+        wait_request(world.Iallreduce(mine, lowest, op=MPI.MIN), "the checkpoint save's choice of writers (Allreduce)")
+    return {key: bool(m == low) for key, m, low in zip(tensors, mine, lowest)}
+
+
 def _term(piece: tuple[Any, Any, Any] | None, t: DTensor) -> int:
     """This rank's term of the tensor's checksum (0 when it writes nothing)."""
     return 0 if piece is None else checksum(piece[2], tuple(piece[0]), t.shape)
@@ -138,12 +152,13 @@ def _describe(leaves: list[tree.Leaf], wholes: Mapping[str, tuple[np.ndarray, in
             for leaf in leaves]
 
 
-def _slab(leaf: tree.Leaf, writable: Mapping[str, DTensor], wholes: Mapping[str, tuple[np.ndarray, int]],
-          rank: int) -> _Slab:
-    """A DTensor is written piece by piece (``writable``: Partial ones reduced); a complete array by rank 0."""
+def _slab(leaf: tree.Leaf, writable: Mapping[str, DTensor], writes: Mapping[str, bool],
+          wholes: Mapping[str, tuple[np.ndarray, int]], rank: int) -> _Slab:
+    """A DTensor is written piece by piece (``writable``: Partial ones reduced) by the mesh that
+    ``writes`` it; a complete array by rank 0."""
     if isinstance(leaf.value, DTensor):
         t = writable[leaf.key]
-        piece = _writer_piece(t)
+        piece = _writer_piece(t) if writes[leaf.key] else None
         return _Slab(leaf.key, t.shape, t.dtype, piece, _term(piece, t),
                      {"placements": repr(list(leaf.value.placements)),
                       "mesh_shape": np.array(t.device_mesh.shape, dtype=np.int64)})
@@ -202,13 +217,14 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
     optimizer, "step": 100}, path)``. Collective: every rank calls it with the same structure
     and path. Raises ``CheckpointError`` on every rank if any rank fails; ``path`` is then untouched.
     """
-    h5py = _h5py()
     world = library_world()
     rank = world.Get_rank()
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
     tmp = ""
     with agreed(world):
+        h5py = _h5py()  # h5py and xxhash on every rank (some may have nothing to hash)
+        require_hasher()
         if not isinstance(obj, Mapping):
             raise CheckpointError(f"save() needs a mapping (of DTensors, arrays and scalars), got {type(obj).__name__}")
         layout = tree.flatten(obj)
@@ -228,8 +244,9 @@ def save(obj: Mapping[Any, Any], path: str | os.PathLike) -> None:
     try:
         with agreed(world):  # the collective part (Partial tensors are reduced) before the local part
             writable = {leaf.key: _writable(leaf.value) for leaf in layout.leaves if isinstance(leaf.value, DTensor)}
+        writes = _writing_copies(world, writable)
         with agreed(world):
-            slabs = [_slab(leaf, writable, wholes, rank) for leaf in layout.leaves]
+            slabs = [_slab(leaf, writable, writes, wholes, rank) for leaf in layout.leaves]
         with agreed(world):
             if parallel:
                 _save_parallel(h5py, world, tmp, layout.groups, slabs)
@@ -258,24 +275,41 @@ def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]])
 
 
 def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
-    f.attrs["format"] = FORMAT
+    f.attrs["format"] = _fixed(FORMAT)  # strings the loader reads are fixed-length (validate._attribute)
     f.attrs["version"] = VERSION
+    f.attrs[validate.LAYOUT] = validate.layout_digest(
+        groups, [(slab.key, str(slab.attrs.get(pytypes.ATTRIBUTE, "")), slab.dtype.str, slab.shape) for slab in slabs])
     for key, kind in sorted(groups.items()):
         group = f.require_group(_group_path(key)) if key else f
         if kind:
-            group.attrs[pytypes.ATTRIBUTE] = kind
+            group.attrs[pytypes.ATTRIBUTE] = _fixed(kind)
     out = {}
     for slab in slabs:
         ds = f.create_dataset(_group_path(slab.key), shape=slab.shape, dtype=slab.dtype)
-        ds.attrs["dtype"] = slab.dtype.str
-        ds.attrs.update(slab.attrs)
+        ds.attrs["dtype"] = _fixed(slab.dtype.str)
+        ds.attrs.update({k: _fixed(v) if k == pytypes.ATTRIBUTE else v for k, v in slab.attrs.items()})
         out[slab.key] = ds
     return out
 
 
+def _fixed(text: str) -> np.bytes_:
+    """A fixed-length string attribute (h5py writes a ``str`` variable-length, in the global heap)."""
+    return np.bytes_(text.encode("utf-8"))
+
+
 def _gathered_checksums(world: MPI.Intracomm, slabs: list[_Slab]) -> list[tuple[int, np.ndarray | None]]:
-    """Every dataset's lin64 checksum and piece table (one Allgather; the same on every rank)."""
-    return pieces.gather(world, [slab.record() for slab in slabs])
+    """Every dataset's lin64 checksum and piece table (one Allgather; the same on every rank),
+    after checking that the written pieces cover each dataset once (the same verdict everywhere:
+    a tensor held on overlapping meshes would be written twice in places and never in others)."""
+    sums = pieces.gather(world, [slab.record() for slab in slabs])
+    for slab, (_, table) in zip(slabs, sums):
+        written = 0 if table is None else int(np.prod(table[:, len(slab.shape) : 2 * len(slab.shape)],
+                                                      axis=1, dtype=np.uint64).sum())
+        if written != prod(slab.shape):
+            raise CheckpointError(f"{slab.key}: the ranks wrote {written} of its {prod(slab.shape)} elements; each "
+                                  f"element must be written once (the ranks hold it on meshes that overlap or "
+                                  f"leave parts out: save it from one mesh, or from disjoint copies of one)")
+    return sums
 
 
 def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab],
@@ -375,31 +409,37 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     copy of this rank's share of the target); ``staging="chunks"`` reads twice instead and needs
     one chunk (at most one tensor's piece) extra. See reader.py.
     """
-    h5py = _h5py()
     from ..nn.state import _check
 
     world = library_world()
     path = os.path.abspath(os.fspath(path))
-    found = targets.parts(target)
     handle = None
     try:
         with agreed(world):
+            h5py = _h5py()  # h5py and xxhash on every rank (some may have nothing to hash)
+            require_hasher()
+            found = targets.parts(target)  # what cannot be loaded into raises on every rank
+        with agreed(world):  # apart: a rank that failed above must not meet the others' comparison
             _same_everywhere(world, {"paths": ("path", path), "staging options": ("staging", repr(staging))})
             if staging not in STAGING:
                 raise CheckpointError(f"load(staging={staging!r}): use one of {', '.join(STAGING)}")
-            _check_openable(h5py, path)
+            _check_openable(h5py, path, world)
         try:
             failed: Exception | None = None
             handle = _open(h5py, world, path)
         except Exception as exc:  # agreed below, with the validation
             failed = exc
-        with agreed(world):  # one agreement for the open (collective with MPI-IO) and the validation
+        # one agreement for the open (collective with MPI-IO) and the validation; h5py's raw errors
+        # on damaged metadata become a CheckpointError naming the file
+        with agreed(world), validate.damaged(path):
             if failed is not None:
                 raise failed
-            validate.check_header(handle, path)
-            listing = validate.scan(handle, path)
+            version = validate.check_header(handle, path)
+            listing = validate.scan(handle, path, legacy=version < 3)
+            validate.check_layout(handle, listing, path, version)
             restore = targets.match(found, listing, path, strict)
-            keys = _check(cast(Mapping[str, Any], restore.tensors), {k: listing.tensors[k].dataset for k in restore.tensors}, strict=False)
+            keys = _check(cast(Mapping[str, Any], restore.tensors),
+                          {k: listing.tensors[k].dataset for k in restore.tensors}, strict=False)
             mine = own_checks(restore.tensors, listing.tensors, keys)
         try:
             read_verified(restore.tensors, listing.tensors, keys, path, staging, mine)
@@ -415,11 +455,19 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     return target
 
 
-def _check_openable(h5py: Any, path: str) -> None:
+def _check_openable(h5py: Any, path: str, world: MPI.Intracomm) -> None:
+    """The file exists and is HDF5; before a collective MPI-IO open, rank 0 also opens it alone
+    (agreed by the caller): HDF5's collective open hangs on some damaged superblocks (an error
+    on one rank, the others waiting in its broadcast), where a serial open just fails."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     if not h5py.is_hdf5(path):
         raise CheckpointError(f"{path} is not an HDF5 file (truncated, corrupt or another format)")
+    if has_parallel_hdf5() and world.Get_size() > 1 and world.Get_rank() == 0:
+        try:
+            h5py.File(path, "r").close()
+        except Exception as exc:
+            raise CheckpointError(f"{path} cannot be opened as HDF5: {exc}") from exc
 
 
 def _open(h5py: Any, world: MPI.Intracomm, path: str) -> Any:

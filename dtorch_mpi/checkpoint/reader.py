@@ -11,8 +11,9 @@ same for a dataset on every rank:
   Allreduce makes the choice common (a rank's verdict alone would not do: lin64 needs every
   rank's term).
 - ``"lin64"`` otherwise: each rank adds its checksum term (checksum.py), and each dataset's sum
-  must equal its stored checksum times the number of ranks that read each element (replicas
-  all read and all verify).
+  must equal its stored checksum times the number of ranks of the world that read each element
+  (replicas all read and all verify; so does every sub-mesh loading the key: ``copies_read``,
+  summed in the same Allgather).
 
 Either way the verdicts of all ranks are gathered once (a mismatch is one rank's term of 1 on
 the fast path), and a mismatch raises the same error on every rank before anything is
@@ -49,7 +50,7 @@ from ..redistribute import array_namespace
 from ..spmd import agreed
 from . import pieces
 from .checksum import MASK, checksum, digest, gathered_sums
-from .validate import Entry
+from .validate import Entry, damaged
 
 STAGING = ("all", "chunks")
 CHUNK_BYTES = 16 << 20
@@ -71,27 +72,29 @@ def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys:
     VERIFIED.clear()
     VERIFIED.update((key, "lin64" if expect[key] is None else "xxh3") for key in keys)
     if staging == "all":
-        staged, problem = _attempt(lambda: {key: _read_all(params[key], entries[key].dataset, expect[key])
-                                            for key in keys})
+        staged, problem = _attempt(path, lambda: {key: _read_all(params[key], entries[key].dataset, expect[key])
+                                                  for key in keys})
         _verify(world, keys, [staged[k][1] for k in keys] if staged else [0] * len(keys), params, entries, expect,
                 path, problem)
         for key in keys:
             _commit(params[key], staged.pop(key)[0])
         return
-    first, problem = _attempt(lambda: {key: _first_pass(params[key], entries[key].dataset, expect[key])
-                                       for key in keys})
+    first, problem = _attempt(path, lambda: {key: _first_pass(params[key], entries[key].dataset, expect[key])
+                                             for key in keys})
     _verify(world, keys, [first[k][1] for k in keys] if first else [0] * len(keys), params, entries, expect,
             path, problem)
-    with agreed(world):
+    with agreed(world), damaged(path, "the second reading pass"):
         for key in keys:
             _stream_into(params[key], entries[key].dataset, first[key][0], path, key)
 
 
-def _attempt(read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Exception | None]:
+def _attempt(path: str, read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Exception | None]:
     """Run this rank's reads; a failure is kept for ``_verify``'s Allgather to agree on (one
-    collective carries both the terms and every rank's status)."""
+    collective carries both the terms and every rank's status), h5py's raw errors as a
+    ``CheckpointError`` naming the file."""
     try:
-        return read(), None
+        with damaged(path, "reading the data"):
+            return read(), None
     except Exception as exc:
         return {}, exc
 
@@ -131,12 +134,23 @@ def _hyperslab(param: Any) -> Block | None:
 
 
 def readers_per_element(param: Any) -> int:
-    """How many ranks read each element (replicas and Partial("avg") ranks all read it)."""
+    """How many ranks of the parameter's mesh read each element (replicas and Partial("avg")
+    ranks all read it)."""
     count = 1
     for size, p in zip(param.device_mesh.shape, param.placements):
         if isinstance(p, Replicate) or (isinstance(p, Partial) and p.reduce_op == "avg"):
             count *= size
     return count
+
+
+def copies_read(param: Any) -> int:
+    """This rank's share of the number of times the world reads each element: its mesh's
+    ``readers_per_element`` from the mesh's first rank (coordinate all zeros), 0 from the others.
+    Summed over the world it counts every mesh that loads the key: the disjoint sub-meshes of a
+    DP x TP job (``mesh["tp"]`` on each dp row) each read the whole tensor; ranks outside any
+    mesh read nothing."""
+    coord = param.device_mesh.get_coordinate()
+    return readers_per_element(param) if coord is not None and not any(coord) else 0
 
 
 def _read(ds: Any, offset: tuple[int, ...], shape: tuple[int, ...]) -> np.ndarray:
@@ -229,8 +243,9 @@ def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, 
     """Gather every rank's terms and status (``problem``: its reads failed); the same verdict
     (and error) on every rank (xxh3: no rank saw a mismatch; lin64: the terms add up to the
     stored checksum once per reader)."""
-    bad = [key for key, total in zip(keys, gathered_sums(world, terms, problem))
-           if total != (0 if expect[key] is not None else entries[key].checksum * readers_per_element(params[key]) & MASK)]
+    sums = gathered_sums(world, [*terms, *(copies_read(params[key]) for key in keys)], problem)
+    bad = [key for key, total, copies in zip(keys, sums, sums[len(keys):])
+           if total != (0 if expect[key] is not None else entries[key].checksum * copies & MASK)]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in dataset{'s' if len(bad) > 1 else ''} "
                               f"{', '.join('/' + k.replace('.', '/') for k in bad)}: the data is damaged "

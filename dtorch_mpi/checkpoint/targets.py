@@ -54,6 +54,12 @@ def parts(target: Any) -> Parts:
         elif isinstance(value, DTensor):
             found.tensors[key] = value
         elif isinstance(value, Mapping):
+            if _is_live_optimizer_state(value):
+                raise CheckpointError(
+                    f"load() target {key or 'the root'!r} is an optimizer's state_dict(): its moments are the "
+                    f"optimizer's own tensors but its step counts and hyperparameters are copies, so loading into "
+                    f"it would restore the moments only; pass the Optimizer itself ({{{key or 'key'!r}: optimizer}}), "
+                    f"or load into a slot ({{{key or 'key'!r}: None}}) and call optimizer.load_state_dict() with it")
             for k, v in value.items():
                 visit(v, join(key, str(k)), value if isinstance(value, MutableMapping) else None, k)
         elif holder is not None:
@@ -66,9 +72,19 @@ def parts(target: Any) -> Parts:
     return found
 
 
+def _is_live_optimizer_state(value: Mapping[Any, Any]) -> bool:
+    """An optimizer's ``state_dict()`` (keys ``state`` and ``param_groups``) holding DTensors:
+    those are the optimizer's live moments, while its steps and hyperparameters are copies."""
+    if set(value) != {"state", "param_groups"} or not isinstance(value["state"], Mapping):
+        return False
+    return any(isinstance(v, DTensor) for entry in value["state"].values() if isinstance(entry, Mapping)
+               for v in entry.values())
+
+
 def match(found: Parts, listing: Listing, path: str, strict: bool) -> Restore:
     """Check the target against the file (keys, optimizer state) and plan the restore."""
     members = check_members(listing.groups, [*listing.tensors, *listing.scalars], path)
+    _check_kinds(found, listing, path)
     stored = [*listing.tensors, *listing.scalars]
     present = set(stored) | set(listing.groups)
     wholes = [*found.optimizers, *found.slots]  # each takes the whole subtree at its key
@@ -93,13 +109,37 @@ def match(found: Parts, listing: Listing, path: str, strict: bool) -> Restore:
     return restore
 
 
+def _stored_kind(listing: Listing, key: str) -> str:
+    """What the file holds at ``key``, in words (for a kind mismatch)."""
+    if key in listing.tensors:
+        return "a tensor dataset"
+    if key in listing.scalars:
+        return f"a Python {listing.scalars[key][1]} (not a tensor)"
+    kind = listing.groups.get(key, "")
+    return f"a {kind or 'mapping'} group (a container, not a tensor)"
+
+
+def _check_kinds(found: Parts, listing: Listing, path: str) -> None:
+    """A key stored as another kind than the target expects is an error whatever ``strict``
+    says (skipping it would leave the target's value standing as if loaded): a tensor target
+    needs a tensor dataset, an optimizer a group of its state."""
+    wrong = [(key, "a tensor") for key in found.tensors if key in listing.scalars or key in listing.groups]
+    wrong += [(key, "an optimizer's state (a group)") for key in found.optimizers
+              if key in listing.tensors or key in listing.scalars]
+    if wrong:
+        raise CheckpointError(f"{path} does not match the target: "
+                              + "; ".join(f"{key!r} is {_stored_kind(listing, key)} in the file, the target expects "
+                                          f"{want}" for key, want in wrong)
+                              + "; nothing was loaded")
+
+
 def _plan_optimizer(restore: Restore, key: str, optimizer: Any, state_dict: Any, path: str) -> None:
     """The optimizer's checked load: its new state tensors join the reads; installing it is a commit."""
     try:
         pending = optimizer.prepare_load(state_dict)
     except StateDictError as exc:
         raise CheckpointError(f"{path}: the optimizer state at {key!r} does not fit the optimizer: {exc}") from exc
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ArithmeticError) as exc:
         raise CheckpointError(f"{path}: the optimizer state at {key!r} is malformed ({type(exc).__name__}: "
                               f"{exc})") from exc
     for name, target in pending.targets.items():

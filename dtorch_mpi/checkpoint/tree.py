@@ -3,7 +3,7 @@
 ``save`` flattens a nested mapping into leaves keyed by dotted paths (a mapping key ``a`` holding
 ``{"b.c": x}`` gives ``a.b.c``, the dataset ``/a/b/c``): DTensors, complete NumPy arrays, and
 Python scalars (pytypes.py); Modules and Optimizers stand for their ``state_dict()``. Keys are
-``str`` (non-empty words, no ``/``; ``.`` separates groups) or ``int`` (not both in one mapping).
+``str`` (non-empty words, no ``/`` or NUL; ``.`` separates groups) or ``int`` (not both in one mapping).
 ``load`` rebuilds any subtree from a file's listing, with each tensor dataset left as its
 validated :class:`~.validate.Entry` for the caller to read where it belongs.
 """
@@ -47,9 +47,9 @@ def _name(key: Any, where: str) -> str:
     if isinstance(key, bool) or not isinstance(key, (str, int)):
         raise CheckpointError(f"{where or 'the root'}: key {key!r} is a {type(key).__name__}; keys are str or int")
     name = str(key)
-    if not name or "/" in name or any(not part for part in name.split(".")):
+    if not name or "/" in name or "\0" in name or any(not part for part in name.split(".")):
         raise CheckpointError(f"state_dict key {join(where, name)!r} cannot be a dataset name (dotted words only, "
-                              f"no '/', no empty word)")
+                              f"no '/', no NUL character (HDF5 would store the name cut there), no empty word)")
     return name
 
 

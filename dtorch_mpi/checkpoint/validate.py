@@ -10,7 +10,10 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
   a small tensor cannot make the reader allocate a huge chunk);
 - a simple or scalar dataspace (no null dataspace), and storage that was written;
 - the attributes this module reads are bounded (``MAX_ATTRIBUTE_BYTES``) and well typed:
-  file ``format`` (the string ``dtorch_mpi``) and ``version`` (the integer ``VERSION``);
+  file ``format`` (the string ``dtorch_mpi``), ``version`` (an integer of ``READABLE``) and,
+  from version 3, ``layout`` (a uint64: ``layout_digest`` of every group and dataset with its
+  name, ``pytype``, dtype and shape, so a changed, added or removed ``pytype`` attribute, which
+  decides how a value is restored, is refused like damaged data);
   dataset ``dtype`` (the exact dtype string, equal to the stored type) and ``checksum``
   (a uint64, see checksum.py); an optional ``pieces`` table (pieces.py: a uint64 array whose
   pieces lie inside the dataset); a ``pytype`` attribute (Python scalars and containers,
@@ -19,7 +22,9 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from math import prod
@@ -27,11 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, DTensorError
 from . import pieces, pytypes
 
 FORMAT = "dtorch_mpi"
-VERSION = 2  # 2: per-dataset checksum and dtype attributes (version 1 files are refused)
+VERSION = 3  # 2: per-dataset checksum and dtype attributes (version 1 files are refused); 3: the layout digest
+READABLE = (2, 3)
+LAYOUT = "layout"
 MAX_CHUNK_FLOOR = 1 << 20
 MAX_ATTRIBUTE_BYTES = 1 << 16
 
@@ -45,24 +52,62 @@ class Entry:
     pieces: np.ndarray | None = None
 
 
-def check_header(f: Any, path: str) -> None:
-    """The file's ``format`` and ``version`` attributes, strictly typed."""
+def check_header(f: Any, path: str) -> int:
+    """The file's ``format`` and ``version`` attributes, strictly typed; returns the version."""
     if not _has(f.id, "format"):
         raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (no format attribute)")
-    fmt = _attribute(f, "format", path, "/")
+    version = _attribute(f, "version", path, "/", integer=True) if _has(f.id, "version") else None
+    fmt = _attribute(f, "format", path, "/", legacy=version is not None and version < 3)
     if isinstance(fmt, bytes):
         fmt = fmt.decode("utf-8", "replace")
     if not isinstance(fmt, str) or fmt != FORMAT:
         raise CheckpointError(f"{path} is not a dtorch_mpi checkpoint (format attribute {_show(fmt)}; "
                               f"expected the string {FORMAT!r})")
-    version = _attribute(f, "version", path, "/")
+    if version is None:
+        raise CheckpointError(f"{path}: / lacks the attribute 'version'")
     if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)):
         raise CheckpointError(f"{path}: attribute 'version' must be an integer, got {_show(version)}")
-    if int(version) != VERSION:
+    if int(version) not in READABLE:
         older = (" (version 1 predates per-dataset checksums, so it cannot be verified: load it with the "
                  "dtorch_mpi that wrote it and save it again)") if int(version) == 1 else ""
         raise CheckpointError(f"{path} has checkpoint format version {int(version)}; this dtorch_mpi reads "
-                              f"version {VERSION}{older}")
+                              f"versions {', '.join(map(str, READABLE))}{older}")
+    return int(version)
+
+
+def layout_digest(groups: Mapping[str, str], datasets: Iterable[tuple[str, str, str, tuple[int, ...]]]) -> np.uint64:
+    """A 64-bit digest of what decides how a file's values are restored: each group's key and
+    ``pytype`` ("" for a mapping with str keys) and each dataset's ``(key, pytype or "", dtype
+    string, shape)``. ``save`` stores it as the root's ``layout``; ``check_layout`` recomputes it
+    from what ``scan`` found."""
+    rows = sorted((key, pytype, dtype, tuple(int(n) for n in shape)) for key, pytype, dtype, shape in datasets)
+    text = repr((sorted((str(k), str(v)) for k, v in groups.items()), rows)).encode()
+    return np.uint64(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little"))
+
+
+def listing_digest(listing: "Listing") -> np.uint64:
+    """``layout_digest`` of what ``scan`` found."""
+    found = [(key, "", e.dataset.dtype.str, tuple(e.dataset.shape)) for key, e in listing.tensors.items()]
+    found += [(key, kind, e.dataset.dtype.str, tuple(e.dataset.shape)) for key, (e, kind) in listing.scalars.items()]
+    return layout_digest(listing.groups, found)
+
+
+def check_layout(f: Any, listing: "Listing", path: str, version: int) -> None:
+    """The root's ``layout`` digest against the scanned groups and datasets (version 3 on;
+    version 2 files predate it and have none)."""
+    if version < 3:
+        if _has(f.id, LAYOUT):
+            raise CheckpointError(f"{path}: a version-{version} file with a {LAYOUT!r} attribute (added in "
+                                  f"version 3): the file's metadata is damaged")
+        return
+    stored = _attribute(f, LAYOUT, path, "/")
+    if not isinstance(stored, np.uint64):
+        raise CheckpointError(f"{path}: attribute {LAYOUT!r} must be a uint64, got {_show(stored)}; "
+                              f"the file's metadata is damaged")
+    if stored != listing_digest(listing):
+        raise CheckpointError(f"{path}: the groups and datasets (names, Python types in 'pytype' attributes, "
+                              f"dtypes, shapes) differ from what was saved (the root's {LAYOUT!r} digest): "
+                              f"the file's metadata is damaged; nothing was loaded")
 
 
 @dataclass
@@ -75,15 +120,19 @@ class Listing:
     groups: dict[str, str] = field(default_factory=dict)
 
 
-def scan(f: Any, path: str) -> Listing:
-    """Every group and dataset of the file, after checking links, storage, filters, sizes and attributes."""
+def scan(f: Any, path: str, legacy: bool = False) -> Listing:
+    """Every group and dataset of the file, after checking links, storage, filters, sizes and
+    attributes (``legacy``: a version-2 file, whose strings are variable-length)."""
     h5py = _h5py()
     found = Listing()
     seen: set[int] = set()
-    found.groups[""] = _group_type(f, path, "/")
+    found.groups[""] = _group_type(f, path, "/", legacy)
 
     def walk(group: Any, prefix: str) -> None:
         for name in group:
+            if not isinstance(name, str):  # h5py gives a name that is not UTF-8 as bytes
+                raise CheckpointError(f"{path}: {prefix}/ holds a member named {name!r}, which is not UTF-8 "
+                                      f"(save writes UTF-8 names): the file's structure is damaged")
             where = f"{prefix}/{name}"
             if group.id.links.get_info(name.encode()).type != h5py.h5l.TYPE_HARD:
                 link = group.get(name, getlink=True)
@@ -101,12 +150,12 @@ def scan(f: Any, path: str) -> Listing:
             seen.add(address)
             key = where[1:].replace("/", ".")
             if isinstance(obj, h5py.Group):
-                found.groups[key] = _group_type(obj, path, where)
+                found.groups[key] = _group_type(obj, path, where, legacy)
                 walk(obj, where)
             elif isinstance(obj, h5py.Dataset):
-                entry = Entry(obj, _check_dataset(obj, where, path), _piece_table(obj, where, path))
+                entry = Entry(obj, _check_dataset(obj, where, path, legacy), _piece_table(obj, where, path))
                 if _has(obj.id, pytypes.ATTRIBUTE):
-                    kind = _attribute(obj, pytypes.ATTRIBUTE, path, where)
+                    kind = _attribute(obj, pytypes.ATTRIBUTE, path, where, legacy=legacy)
                     found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
                 else:
                     found.tensors[key] = entry
@@ -122,14 +171,31 @@ def scan(f: Any, path: str) -> Listing:
     return found
 
 
-def _group_type(group: Any, path: str, where: str) -> str:
-    kind = _attribute(group, pytypes.ATTRIBUTE, path, where) if _has(group.id, pytypes.ATTRIBUTE) else ""
+RAW_ERRORS = (OSError, RuntimeError, KeyError, ValueError, TypeError, IndexError)
+"""What h5py raises on a damaged file (e.g. RuntimeError "bad version number for attribute
+message"); the library's own errors (``DTensorError``) pass through ``damaged`` unchanged."""
+
+
+@contextmanager
+def damaged(path: str, doing: str = "reading its metadata") -> Iterator[None]:
+    """Turn h5py's raw errors on a damaged file into a ``CheckpointError`` naming the file."""
+    try:
+        yield
+    except DTensorError:
+        raise
+    except RAW_ERRORS as exc:
+        raise CheckpointError(f"{path}: the file is damaged ({doing} failed: {type(exc).__name__}: {exc}); "
+                              f"nothing was loaded") from exc
+
+
+def _group_type(group: Any, path: str, where: str, legacy: bool) -> str:
+    kind = _attribute(group, pytypes.ATTRIBUTE, path, where, legacy=legacy) if _has(group.id, pytypes.ATTRIBUTE) else ""
     return pytypes.check_group(kind, f"{path}: group {where}")
 
 
-def _check_dataset(ds: Any, where: str, path: str) -> int:
+def _check_dataset(ds: Any, where: str, path: str, legacy: bool = False) -> int:
     """Refuse what could read outside the file or allocate without bound; return the stored checksum."""
-    from h5py import h5d
+    from h5py import h5d, h5t
 
     what = f"{path}: dataset {where}"
     dcpl = ds.id.get_create_plist()  # once (``ds.is_virtual`` would make another)
@@ -153,7 +219,10 @@ def _check_dataset(ds: Any, where: str, path: str) -> int:
                for i in range(dcpl.get_nfilters())]
     if filters:
         raise CheckpointError(f"{what} uses HDF5 filters {filters}; dtorch_mpi checkpoints use none (refused)")
-    stored = _attribute(ds, "dtype", path, where)
+    if not ds.id.get_type().equal(h5t.py_create(ds.dtype)):
+        raise CheckpointError(f"{what} has an HDF5 type that is not the standard one for {ds.dtype.str} "
+                              f"(a damaged type message); refused")
+    stored = _attribute(ds, "dtype", path, where, legacy=legacy)
     if isinstance(stored, bytes):
         stored = stored.decode("utf-8", "replace")
     if not isinstance(stored, str) or stored != ds.dtype.str:
@@ -178,13 +247,17 @@ def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
 
 
 def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,
-               layout: Callable[[np.dtype, tuple[int, ...]], None] | None = None) -> Any:
+               layout: Callable[[np.dtype, tuple[int, ...]], None] | None = None, *, legacy: bool = False,
+               integer: bool = False) -> Any:
     """Read one attribute after bounding its size; a missing one is an error (so is an array,
     unless ``scalar`` is False; ``layout`` checks an array's stored type and shape). Both are
     checked before the read: the storage size does not bound variable-length contents. Opened
     once through h5py's low-level API (``obj.attrs[name]`` costs three opens and a new Group for
-    a File: it was most of a small load's time)."""
-    from h5py import h5a
+    a File: it was most of a small load's time). Its HDF5 type is checked before the read too:
+    a standard number or string type (``_standard_type``), an integer where ``integer`` says so,
+    and no variable-length string unless ``legacy`` (version 2): those live in the global heap,
+    on a damaged one of which HDF5 can hang; version 3 writes fixed-length strings."""
+    from h5py import h5a, h5t
 
     if not _has(obj.id, name):
         raise CheckpointError(f"{path}: {where} lacks the attribute {name!r}")
@@ -198,11 +271,37 @@ def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,
                               f"expected a scalar")
     if layout is not None:
         layout(attr.dtype, tuple(attr.shape or ()))
+    tid = attr.get_type()
+    if not _standard_type(tid):
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} has a malformed or unsupported HDF5 type "
+                              f"(not a standard integer, float or string type); the file's metadata is damaged")
+    if integer and tid.get_class() != h5t.INTEGER:
+        word = "str" if tid.get_class() == h5t.STRING else "float"
+        raise CheckpointError(f"{path}: attribute {name!r} must be an integer, got a {word}")
+    if tid.get_class() == h5t.STRING and tid.is_variable_str() and not legacy:
+        raise CheckpointError(f"{path}: attribute {name!r} of {where} is a variable-length string; version-3 "
+                              f"files store fixed-length strings: the file's metadata is damaged")
     try:
         value = _value(attr)
-    except (OSError, TypeError, ValueError) as exc:
+    except (OSError, TypeError, ValueError, RuntimeError, KeyError) as exc:
         raise CheckpointError(f"{path}: attribute {name!r} of {where} cannot be read ({exc})") from exc
     return value
+
+
+def _standard_type(tid: Any) -> bool:
+    """Whether an HDF5 type is one h5py converts safely: a standard integer or IEEE float type
+    (of either byte order), or a string of a known character set and padding. A damaged type
+    message can hold reserved field values that make the read crash the process (a segfault
+    in the type conversion): such a type is refused before anything is read."""
+    from h5py import h5t
+
+    kind = tid.get_class()
+    if kind == h5t.STRING:
+        return bool(tid.get_cset() in (h5t.CSET_ASCII, h5t.CSET_UTF8)
+                    and tid.get_strpad() in (h5t.STR_NULLTERM, h5t.STR_NULLPAD, h5t.STR_SPACEPAD))
+    if kind in (h5t.INTEGER, h5t.FLOAT):  # every field (precision, offset, exponent...) as the standard type has it
+        return bool(tid.equal(h5t.py_create(tid.dtype)))
+    return False
 
 
 def _has(oid: Any, name: str) -> bool:
