@@ -23,13 +23,15 @@ def run(n: int, *args: str) -> str:
     return proc.stdout
 
 
-def results(n: int, script: str) -> tuple[str, dict[str, np.ndarray]]:
+def results(n: int, script: str, *args: str) -> tuple[str, dict[str, np.ndarray]]:
     """Run an example; its printed output and the arrays it saved (``DTORCH_EXAMPLE_RESULTS``),
-    from which the test computes the verdicts itself (never the example's own printed ones)."""
+    from which the test computes the verdicts itself (never the example's own printed ones).
+    ``{tmp}`` in ``args`` is a fresh directory removed afterwards (a checkpoint path)."""
     directory = tempfile.mkdtemp()
     try:
         path = os.path.join(directory, "results.npz")
-        proc = mpiexec(n, sys.executable, script, env=child_env(DTORCH_EXAMPLE_RESULTS=path))
+        argv = [a.replace("{tmp}", directory) for a in args]
+        proc = mpiexec(n, sys.executable, script, *argv, env=child_env(DTORCH_EXAMPLE_RESULTS=path))
         assert proc.returncode == 0, proc.stdout + proc.stderr
         with np.load(path) as saved:
             return proc.stdout, dict(saved)
@@ -38,7 +40,7 @@ def results(n: int, script: str) -> tuple[str, dict[str, np.ndarray]]:
 
 
 def test_quickstart() -> None:
-    out, got = results(4, "examples/quickstart.py")
+    out, got = results(4, "examples/quickstart.py", "{tmp}/quickstart.h5")
     assert "local shapes by rank: [(4, 3), (4, 3), (4, 3), (4, 2)]" in out
     assert "PlacementError, suggested fix:" in out and "after the fix: (Partial(\"sum\"),)" in out
     assert "quickstart done" in out
