@@ -364,3 +364,100 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
         check.equal(p.grad.to_torch(), want[k], f"{k} grad after a failed backward", exact=False, rtol=0, atol=1e-14)
     check.true(all(u.state == "free" for u in model._fsdp_unit.group.units), "every unit freed")
     check.done()
+
+
+# --- fully_shard x activation checkpointing ---------------------------------------------------
+class CkptBlock(nn.Module):
+    """``x + fc2(dropout(gelu(fc1(norm(x)))))``, widths uneven over the ranks."""
+
+    def __init__(self, d: int, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d, device_mesh=mesh, dtype=np.float64)
+        self.fc1 = nn.Linear(d, 2 * d + 1, device_mesh=mesh, dtype=np.float64)
+        self.fc2 = nn.Linear(2 * d + 1, d, device_mesh=mesh, dtype=np.float64)
+        self.act, self.drop = nn.GELU(), nn.Dropout(0.3)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.fc2(self.drop(self.act(self.fc1(self.norm(x)))))
+
+
+def _ckpt_run(mesh: dt.DeviceMesh, how: str, reshard: bool, blocks: int = 3, d: int = 5) -> dict[str, np.ndarray]:
+    """Loss, d/dx and every parameter's gradient (complete) after one backward; ``how``: plain
+    (replicated, no checkpoint), shard-then-checkpoint, checkpoint-then-shard (each block is
+    a unit and checkpointed), sequential (checkpoint_sequential segments spanning units)."""
+    from dtorch_mpi.nn.checkpoint import apply_activation_checkpointing, checkpoint_sequential
+
+    dt.manual_seed(11)
+    model = nn.Sequential(*(CkptBlock(d, mesh) for _ in range(blocks)))
+    is_block = lambda m: isinstance(m, CkptBlock)
+    if how == "checkpoint-then-shard":
+        apply_activation_checkpointing(model, is_block)
+    if how != "plain":
+        for b in model._modules.values():
+            dt.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        dt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if how == "shard-then-checkpoint":
+        apply_activation_checkpointing(model, is_block)
+    x = dt.distribute_tensor(np.random.default_rng(5).standard_normal((2 * SIZE + 1, d)), mesh, [S0],
+                             requires_grad=True)
+    h = checkpoint_sequential(model, 2, x) if how == "sequential" else model(x)
+    loss = (h * h * h).sum()
+    loss.backward()
+    out = {"loss": np.array(loss.to_torch()), "x": np.array(x.grad.to_torch())}  # type: ignore[union-attr]
+    for k, p in model.named_parameters():
+        if how != "plain":
+            assert p.placements == (S0,) and p.grad is not None and p.grad.placements == (S0,), (k, p.placements)
+        out[k] = np.array(p.grad.to_torch())  # type: ignore[union-attr]
+    if how != "plain":
+        assert all(u.state == "free" for u in model._fsdp_unit.group.units)
+        assert all(b.fc1.weight.placements == (S0,) for b in model._modules.values()), \
+            "the module's attributes point at the sharded parameters after backward"
+    return out
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+@pytest.mark.parametrize("how", ["shard-then-checkpoint", "checkpoint-then-shard", "sequential"])
+def test_fully_shard_composes_with_activation_checkpointing(mesh1d: dt.DeviceMesh, how: str, reshard: bool,
+                                                            check: Checker) -> None:
+    want = _ckpt_run(mesh1d, "plain", reshard)
+    got = _ckpt_run(mesh1d, how, reshard)
+    check.true(sorted(got) == sorted(want), f"the same parameters: {sorted(got)}")
+    for k, w in want.items():
+        check.equal(got[k], w, f"{how}: {k}", exact=False, rtol=0, atol=1e-12)
+    check.done()
+
+
+def test_checkpointed_units_gather_once_per_backward(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recompute computes on the gathered parameters its pre-backward hook gathered: one
+    all-gather per unit in forward and one in backward (reshard_after_forward), as without
+    checkpointing; the pre-backward hooks fire inside checkpointed regions."""
+    from dtorch_mpi.nn.checkpoint import apply_activation_checkpointing
+    counts: dict[str, int] = {}
+    for label in ("plain", "checkpointed"):
+        dt.manual_seed(1)
+        model = nn.Sequential(*(CkptBlock(4, mesh1d) for _ in range(3)))
+        for b in model._modules.values():
+            dt.fully_shard(b, mesh=mesh1d)
+        dt.fully_shard(model, mesh=mesh1d)
+        if label == "checkpointed":
+            apply_activation_checkpointing(model, lambda m: isinstance(m, CkptBlock))
+        calls = {"n": 0, "pre": 0}
+        real = _Unit.start_gather
+        pre = _Unit._pre_backward
+
+        def counting(self: _Unit) -> None:
+            calls["n"] += self.state == "free" and bool(self.slots)
+            real(self)
+
+        def counting_pre(self: _Unit, grad: dt.DTensor) -> None:
+            calls["pre"] += 1
+            pre(self, grad)
+
+        monkeypatch.setattr(_Unit, "start_gather", counting)
+        monkeypatch.setattr(_Unit, "_pre_backward", counting_pre)
+        x = dt.distribute_tensor(np.ones((3, 4)), mesh1d, [S0])
+        (model(x) ** 2).sum().backward()
+        monkeypatch.undo()
+        counts[label] = calls["n"]
+        assert calls["pre"] >= 3, f"{label}: the pre-backward hooks fired {calls['pre']} times"
+    assert counts["plain"] == counts["checkpointed"] == 6, counts

@@ -22,7 +22,7 @@ from .. import random as _random
 from ..autograd.accumulate import accumulate
 from ..autograd.function import version_of
 from ..autograd.grad_mode import _GradMode, enable_grad, no_grad
-from ..autograd.graph import AccumulateGrad, Node
+from ..autograd.graph import AccumulateGrad, Node, step
 from ..dtensor import DTensor
 from .module import Module
 
@@ -59,7 +59,12 @@ def _backprop(nodes: list[Node], grad: DTensor) -> list[DTensor | None]:
     out: list[DTensor | None] = []
     for node in nodes:
         g = pending.pop(id(node), None)
-        grads: Sequence[DTensor | None] = () if g is None else node.apply(g, False)
+        if g is None:
+            grads: Sequence[DTensor | None] = ()
+        elif node is nodes[0]:  # its hooks are the Checkpoint node's, which ran already
+            grads = node.apply(g, False)
+        else:  # through the engine's step: the hooks the recompute registered fire, once each
+            grads = step(node, g, False)
         for k, nxt in enumerate(node.next):
             gi = grads[k] if k < len(grads) else None
             if nxt is None:
@@ -130,7 +135,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with no_grad():
             return _backprop(nodes, grad)
 
-    out._grad_fn = Node("Checkpoint", tuple(boundary), backward)
+    node = Node("Checkpoint", tuple(boundary), backward)
+    node.pre_hooks = root.pre_hooks  # hooks on the result (fully_shard's pre-backward) now fire on this node
+    out._grad_fn = node
     return out
 
 
