@@ -461,3 +461,57 @@ def test_checkpointed_units_gather_once_per_backward(mesh1d: dt.DeviceMesh, monk
         counts[label] = calls["n"]
         assert calls["pre"] >= 3, f"{label}: the pre-backward hooks fired {calls['pre']} times"
     assert counts["plain"] == counts["checkpointed"] == 6, counts
+
+
+# --- construction memory ----------------------------------------------------------------------
+def _layers(width: int, layers: int, mesh: dt.DeviceMesh) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(width, width, device_mesh=mesh, dtype=np.float64) for _ in range(layers)))
+
+
+def test_building_and_fully_sharding_holds_at_most_one_complete_parameter(mesh1d: dt.DeviceMesh) -> None:
+    """Deferred layer parameters are made directly as their Shard(0) pieces (tracemalloc peak of
+    build + fully_shard <= model/N + one parameter), and each piece owns its bytes."""
+    import tracemalloc
+    layers, width = 8, 128
+    dt.rand(width, width, dtype=np.float64, device_mesh=mesh1d)  # the generator's kept scratch, made once
+
+    def build() -> nn.Module:
+        model = _layers(width, layers, mesh1d)
+        for layer in model._modules.values():
+            dt.fully_shard(layer, mesh=mesh1d)
+        dt.fully_shard(model, mesh=mesh1d)
+        for p in model.parameters():
+            p.to_local()
+        return model
+
+    tracemalloc.start()
+    try:
+        model = build()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    full = layers * (width * width + width) * 8
+    one = width * width * 8
+    goal, slack = full / SIZE + one, 96 << 10  # slack: modules, specs, closures, units
+    held = sum(p.to_local().nbytes for p in model.parameters())
+    assert all(p.placements == (S0,) and p.to_local().base is None for p in model.parameters())
+    assert peak <= goal + slack, f"peak {peak} bytes > model/N + one parameter {goal:.0f} (+{slack}); held {held}"
+
+
+@pytest.mark.parametrize("made", [False, True], ids=["deferred", "already-made"])
+def test_fully_shard_keeps_the_replicated_values(mesh1d: dt.DeviceMesh, made: bool, check: Checker) -> None:
+    """A parameter fully_shard makes from its recipe and one whose values were made before both
+    hold the replicated model's values (the sharding-invariant RNG)."""
+    dt.manual_seed(2)
+    want = {k: np.array(p.to_torch()) for k, p in _layers(SIZE + 1, 2, mesh1d).named_parameters()}
+    dt.manual_seed(2)
+    model = _layers(SIZE + 1, 2, mesh1d)
+    if made:
+        for p in model.parameters():
+            p.to_local()
+    for layer in model._modules.values():
+        dt.fully_shard(layer, mesh=mesh1d)
+    for k, p in model.named_parameters():
+        check.true(p.placements == (S0,) and p.to_local().base is None, f"{k}: {p.placements}, owns its piece")
+        check.equal(p.to_torch(), want[k], f"{k} value")
+    check.done()
