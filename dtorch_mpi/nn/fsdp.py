@@ -335,7 +335,12 @@ def _start_gather(p: Parameter, view: Any) -> Callable[[], Any]:
         axis, sizes = step.args
         work = backend_for(p.device_mesh.device_type).all_gather(step.group, p.to_local(), view, axis, sizes,
                                                                  async_op=True)
-        return work.wait
+
+        def finish() -> None:
+            got = work.wait()  # the result: ``view`` itself, or (the padded path's uneven gather) its own buffer
+            if got is not view:
+                view[...] = got
+        return finish
     with no_grad():  # any other plan: through redistribute, then copied in
         full = p.redistribute(placements=plan.out_spec.placements, async_op=True)
     return lambda: view.__setitem__(Ellipsis, full.to_local())
