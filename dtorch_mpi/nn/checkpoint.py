@@ -9,7 +9,9 @@ is freed as soon as ``fn`` returns. In backward the node runs ``fn`` again on th
 recording, with the random generator set back to where the forward found it (dropout draws the
 same masks), backpropagates through the recomputed subgraph down to the boundary, and hands the
 engine each boundary edge's gradient in the order the engine would have met it without
-checkpointing: gradients are bit-identical. ``fn`` must record the same operations when run
+checkpointing: gradients are bit-identical. Hooks compose: the result's hooks move to the
+checkpoint node, and the recomputed nodes run through the engine's ``step`` (autograd/graph.py),
+so the hooks the recompute registers (fully_shard's pre-backward) fire there. ``fn`` must record the same operations when run
 again (as torch's checkpoint assumes); a different graph raises.
 """
 

@@ -15,7 +15,11 @@ its forward starts            finish its all-gather (prefetched or now), start t
 its forward returns           swap the sharded ones back; free the buffer
                               (``reshard_after_forward``); a pre-backward hook on each output
 a hook on its outputs fires   (pre-backward) finish its all-gather, start the all-gather of
-                              the unit that runs backward next (reverse forward order)
+                              the unit that runs backward next (reverse forward order), swap
+                              the gathered parameters in until the unit is reduced (a
+                              checkpointed function inside it recomputes on them)
+its forward runs in backward  (a checkpoint's recompute) gather, swap in and keep them; the
+                              forward order and its prefetch are left alone
 a gathered grad is complete   (post-accumulate-grad hook) once all of the unit's are: start
                               their reduce-scatters to ``Shard(0)`` (nonblocking, the
                               previous unit's finished first), free the buffer
