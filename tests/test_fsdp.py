@@ -258,8 +258,9 @@ class Pair(nn.Module):
 
 
 @pytest.mark.skipif(SIZE % 2 != 0, reason="a (2, N/2) mesh")
+@pytest.mark.parametrize("ckpt", [False, True], ids=["", "checkpointed"])
 @pytest.mark.parametrize("reshard", RESHARD)
-def test_fsdp_over_tensor_parallel_styles(reshard: bool, check: Checker) -> None:
+def test_fsdp_over_tensor_parallel_styles(reshard: bool, ckpt: bool, check: Checker) -> None:
     """torchtitan's 2-D recipe: parallelize_module on mesh['tp'], then fully_shard on mesh['dp'].
     The parameters become DTensors on the (tp, dp) order of the 2-D mesh, each tp piece split
     over dp (Colwise rows nest: the dp split inside the tp one); each dp group feeds its half of
@@ -280,6 +281,9 @@ def test_fsdp_over_tensor_parallel_styles(reshard: bool, check: Checker) -> None
                                                   "b": dt.RowwiseParallel(use_local_output=False)})
         for layer in (model.a, model.b, model):
             dt.fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        if ckpt:  # activation checkpointing on each 2-D unit
+            for layer in (model.a, model.b):
+                nn.utils.checkpoint_module(layer)
         placed = {k: p.placements for k, p in model.named_parameters()}
         check.true(placed == {"a.weight": (S0, S0), "a.bias": (S0, S0), "b.weight": (dt.Shard(1), S0),
                               "b.bias": (R, S0)}, f"placements {placed}")
