@@ -2,7 +2,8 @@
 split across ranks as whole heads (4 heads over 3 ranks: 2/1/1), a vocab-parallel embedding
 and output layer, and a vocab-parallel cross_entropy that never gathers the logits.
 
-Run: mpiexec -n 3 python examples/train_transformer_block.py [--steps 30] [--plan tp|replicated]
+Run: mpiexec -n 3 python examples/train_transformer_block.py [--steps 30] [--plan tp|replicated|fsdp]
+       [--activation-checkpointing]
 Save and resume (training state in one checkpoint: model, AdamW moments and step counts, step):
   mpiexec -n 3 python examples/train_transformer_block.py --checkpoint ck.h5 --save-at 10 --resume-plan replicated
     trains under --plan, saves after step 10, then resumes from ck.h5 in a fresh model and
@@ -21,7 +22,11 @@ matmul ([B, 1, T, d] Replicate @ [H, d, Dh] Shard(0) -> [B, H, T, Dh] Shard(1)) 
 nothing, scores and softmax are per head, and the output projection summed over heads is
 Partial("sum"): one all-reduce. No reshape of a sharded dim is needed, and a head is never
 cut. The ``replicated`` plan holds every parameter whole on every rank (no communication): the
-same math, the same curve.
+same math, the same curve. The ``fsdp`` plan is fully sharded data parallel: the block is one
+``fully_shard`` unit (every parameter Shard(0) between uses, gathered for forward and again for
+backward, gradients reduce-scattered), each rank trains on its rows of the batch (uneven at 3
+ranks), and the attention and MLP sub-blocks are activation-checkpointed (recomputed in
+backward on the gathered parameters); ``--activation-checkpointing`` adds that to any plan.
 """
 
 from __future__ import annotations
@@ -42,18 +47,23 @@ PLANS: dict[str, dict[str, dt.Placement]] = {
     "tp": {"embed": S0, "wq": S0, "wk": S0, "wv": S0, "wo": S0, "w1": S0, "w2": S1, "out": S0},
     "replicated": {name: R for name in ("embed", "wq", "wk", "wv", "wo", "w1", "w2", "out")},
 }
+PLANS["fsdp"] = PLANS["replicated"]  # built replicated, then fully_shard stores every parameter Shard(0)
+BATCH_SPLIT = {"fsdp"}
+"""Plans whose ranks each take their rows of the batch (the others feed every rank all of it)."""
 """Per plan: each weight's placement on the 1-D mesh (the norm weights are always Replicate)."""
 
 
 def replicate(t: dt.DTensor) -> dt.DTensor:
-    """All-reduce a Partial result (the only communication of each sub-block)."""
-    return t.redistribute(placements=[R]) if t.placements != (R,) else t
+    """All-reduce a Partial result (the only communication of each sub-block); a batch-sharded
+    one (fsdp) stays as it is."""
+    return t.redistribute(placements=[R]) if any(p.is_partial() for p in t.placements) else t
 
 
 class Block(nn.Module):
-    def __init__(self, mesh: dt.DeviceMesh, plan: str = "tp") -> None:
+    def __init__(self, mesh: dt.DeviceMesh, plan: str = "tp", recompute: bool = False) -> None:
         super().__init__()
         place = PLANS[plan]
+        self.recompute = recompute or plan == "fsdp"  # activation checkpointing of both sub-blocks
 
         def param(shape: tuple[int, ...], placement: dt.Placement, scale: float) -> nn.Parameter:
             return nn.Parameter(dt.randn(*shape, dtype=np.float64, device_mesh=mesh, placements=[placement]) * scale)
@@ -76,10 +86,14 @@ class Block(nn.Module):
         p = F.softmax(q @ k.transpose(-1, -2) * (1 / math.sqrt(DH)) + self.causal, -1)
         return replicate(((p @ v) @ self.wo).sum(1))  # per-head projections summed: one all-reduce
 
-    def forward(self, tokens: np.ndarray) -> dt.DTensor:
+    def mlp(self, h: dt.DTensor) -> dt.DTensor:
+        return replicate(F.gelu(h @ self.w1.T, "tanh") @ self.w2.T)
+
+    def forward(self, tokens: np.ndarray | dt.DTensor) -> dt.DTensor:
+        run = nn.utils.checkpoint if self.recompute else (lambda fn, h: fn(h))
         x = replicate(F.embedding(tokens, self.embed))
-        x = x + self.attention(F.rms_norm(x, self.norm1))
-        x = x + replicate(F.gelu(F.rms_norm(x, self.norm2) @ self.w1.T, "tanh") @ self.w2.T)
+        x = x + run(self.attention, F.rms_norm(x, self.norm1))
+        x = x + run(self.mlp, F.rms_norm(x, self.norm2))
         return F.rms_norm(x, self.norm3) @ self.out.T  # [B, T, V] Shard(2): vocab-parallel logits
 
 
@@ -96,7 +110,7 @@ def next_token_data(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def train(steps: int, plan: str = "tp", lr: float = 0.05, *, checkpoint: str | None = None,
-          save_at: int | None = None, resume: bool = False) -> tuple[dict[int, float], dict[str, dt.CommCounter], int]:
+          save_at: int | None = None, resume: bool = False, recompute: bool = False) -> tuple[dict[int, float], dict[str, dt.CommCounter], int]:
     """Train up to step ``steps`` with AdamW on the world's 1-D mesh under ``plan``; with
     ``resume``, first restore model, optimizer and step count from ``checkpoint`` (resharded
     onto this plan and rank count); with ``save_at``, save them there after that step. Returns
@@ -104,13 +118,17 @@ def train(steps: int, plan: str = "tp", lr: float = 0.05, *, checkpoint: str | N
     mesh = dt.init_device_mesh("cpu", (MPI.COMM_WORLD.Get_size(),), mesh_dim_names=("tp",))
     try:
         dt.manual_seed(0)
-        model = Block(mesh, plan)
+        model = Block(mesh, plan, recompute)
+        if plan == "fsdp":
+            dt.fully_shard(model, mesh=mesh)  # one unit: the block
         opt = dt.optim.AdamW(model.named_parameters(), lr=lr, weight_decay=0.0)
         state = {"model": model, "optim": opt, "step": 0}
         if resume:
             assert checkpoint is not None, "resume needs a checkpoint"
             dt.load(checkpoint, state)
         tokens, targets = next_token_data()
+        if plan in BATCH_SPLIT:  # this rank's rows of the batch (every rank holds the data)
+            tokens, targets = (dt.distribute_tensor(a, mesh, [S0], src_data_rank=None) for a in (tokens, targets))
         losses: dict[int, float] = {}
         moved: dict[str, dt.CommCounter] = {}
         for step in range(int(state["step"]), steps):
@@ -139,12 +157,15 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, help="save model, optimizer and step after this step")
     parser.add_argument("--resume-plan", choices=sorted(PLANS), help="then resume from the checkpoint on this plan")
     parser.add_argument("--resume", action="store_true", help="start from the checkpoint instead of step 0")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute the attention and MLP sub-blocks in backward (always on with --plan fsdp)")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     losses, moved, local_heads = train(args.steps, args.plan, checkpoint=args.checkpoint, save_at=args.save_at,
-                                       resume=args.resume)
+                                       resume=args.resume, recompute=args.activation_checkpointing)
     heads = world.allgather(local_heads)
-    resumed = (train(args.steps, args.resume_plan, checkpoint=args.checkpoint, resume=True)[0]
+    resumed = (train(args.steps, args.resume_plan, checkpoint=args.checkpoint, resume=True,
+                     recompute=args.activation_checkpointing)[0]
                if args.resume_plan and args.save_at and args.checkpoint else {})
     if world.Get_rank() != 0:
         return

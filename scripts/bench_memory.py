@@ -16,6 +16,22 @@ above the resident set before building. Beside them the goal: model/N + one para
 ``dtorch.fully_shard`` unit per layer, then the model: skipped while dtorch has no
 ``fully_shard``). Add a plan by adding a row to PLANS.
 
+Training step (``--step``, run alone: ``MALLOC_MMAP_THRESHOLD_=65536`` in the environment makes
+glibc return every large array's pages at free, so the peak resident set measures what is
+alive): the same model (a GELU after each layer), batch ``--batch`` rows sharded over the
+data-parallel ranks, AdamW, one warm-up step (optimizer state made), then one step's VmHWM
+(all of it run twice per plan, the first to warm the process: MPI's shared memory, imports)
+above the resident set before the model was built (parameters, gradients, optimizer state,
+gathered units, activations, communication buffers: everything) beside the formula
+(parameters + gradients + optimizer state)/N + 2 largest units + activations (``dp``: the
+whole state on every rank; ``fsdp_tp``: a (2, N/2) mesh, units over dp of tp pieces). The
+activations term is measured: the traced bytes a third step's forward leaves held (the gathered
+units live in fully_shard's memory map, which tracemalloc does not see). ``ok``: peak <=
+1.15 x formula. ``+2g``: the peak over the formula plus two units' unsharded gradients (the
+unit whose gradients are being computed and the one whose reduce-scatter is in flight hold
+theirs whole, which the issue's formula leaves out). Plans: ``dp`` (replicated parameters, ``reduce_gradients``), ``fsdp``,
+``fsdp_tp`` (even rank counts >= 4).
+
 Activation checkpointing: a stack of ``--ac-blocks`` pre-norm residual MLP blocks
 ``x + W2 @ dropout(gelu(W1 @ layer_norm(x)))`` (width d, ffn 4d, float64, batch sharded over the
 ranks), one training step (forward, backward) with and without
@@ -211,6 +227,93 @@ def slice_cost(reps: int, mesh: dt.DeviceMesh) -> list[tuple[int, int, float, fl
     return rows
 
 
+def _step_model(plan: str, layers: int, width: int, n: int) -> tuple[nn.Module, Any, int, dt.DeviceMesh | None]:
+    """The step benchmark's model under ``plan``: (model, the mesh its input lives on, dp
+    size, a 2-D mesh to free or None)."""
+    mesh2 = None
+    if plan == "fsdp_tp":
+        mesh2 = dt.init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("dp", "tp"))
+        mesh, dp = mesh2["tp"], 2
+    else:
+        mesh, dp = dt.init_device_mesh("cpu", (n,)), n
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width, device_mesh=mesh, dtype=np.float64), nn.GELU()]
+    model = nn.Sequential(*mods)
+    lin = [m for m in mods if isinstance(m, nn.Linear)]
+    if plan == "fsdp_tp":
+        for i, m in enumerate(lin):
+            (nn.ColwiseParallel(use_local_output=False) if i % 2 == 0
+             else nn.RowwiseParallel(use_local_output=False)).apply(m, mesh)
+    if plan in ("fsdp", "fsdp_tp"):
+        dp_mesh = mesh2["dp"] if mesh2 is not None else mesh
+        for m in lin:
+            dt.fully_shard(m, mesh=dp_mesh)
+        dt.fully_shard(model, mesh=dp_mesh)
+    return model, mesh, dp, mesh2
+
+
+def step_memory(plan: str, layers: int, width: int, batch: int) -> dict[str, float] | None:
+    n = WORLD.Get_size()
+    if plan == "fsdp_tp" and (n < 4 or n % 2):
+        return None
+    import gc
+    gc.collect()
+    WORLD.Barrier()
+    rss0 = status_kib("VmRSS")
+    model, mesh, dp, mesh2 = _step_model(plan, layers, width, n)
+    try:
+        opt = dt.optim.AdamW(model.named_parameters(), lr=1e-3, weight_decay=0.0)
+        full = np.random.default_rng(0).standard_normal((batch, width))
+        if plan == "fsdp_tp":  # each dp group its half of the batch, replicated over tp
+            x = dt.distribute_tensor(np.array_split(full, 2)[mesh2.get_coordinate()[0]], mesh,  # type: ignore[union-attr]
+                                     [dt.Replicate()], src_data_rank=None)
+        else:
+            x = dt.distribute_tensor(full, mesh, [dt.Shard(0)], src_data_rank=None)
+        params = list(model.parameters())
+
+        def step(trace: bool) -> float:
+            opt.zero_grad()
+            if trace:
+                tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            loss = (model(x) ** 2).mean()
+            kept = tracemalloc.get_traced_memory()[0] - before
+            if trace:
+                tracemalloc.stop()
+            loss.backward()
+            if plan == "dp":
+                nn.utils.reduce_gradients(params)
+            opt.step()
+            return kept
+
+        step(False)  # warm-up: optimizer state, plans, pooled buffers
+        WORLD.Barrier()
+        hwm_ok = reset_hwm()
+        t0 = time.perf_counter()
+        step(False)
+        seconds = time.perf_counter() - t0
+        peak = status_kib("VmHWM") - rss0 if hwm_ok else float("nan")
+        from dtorch_mpi.comm import pool
+        pooled = pool.held_bytes()  # collectives' buffers kept for reuse (DTORCH_BUFFER_POOL_BYTES)
+        acts = step(True)
+        state = sum(p.to_local().nbytes for p in params)  # parameters held (sharded or not)
+        whole = sum(p.size * p.dtype.itemsize for p in params)
+        unit = max(p.size * p.dtype.itemsize for p in params if p.ndim == 2)  # a layer's weight
+        unit += width * 8  # and its bias
+        tp = n // dp if plan == "fsdp_tp" else 1
+        gathered = 0 if plan == "dp" else 2 * unit / tp
+        formula = 4 * (whole / (dp * tp) if plan != "dp" else whole) + gathered + acts  # p + g + 2 Adam moments
+        return {"state": 4 * state / MiB, "gathered": gathered / MiB, "acts": acts / MiB, "formula": formula / MiB,
+                "peak": peak / 1024, "pool": pooled / MiB,
+                "seconds": seconds}
+    finally:
+        if mesh2 is not None:
+            mesh2.free()
+        else:
+            mesh.free()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -222,7 +325,33 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--skip-ac", action="store_true")
     ap.add_argument("--slice-cost", action="store_true", help="also time the Replicate -> Shard copy")
+    ap.add_argument("--step", action="store_true", help="only the training-step peak (see the docstring)")
+    ap.add_argument("--step-plans", default="dp,fsdp,fsdp_tp")
+    ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
+    if args.step:
+        if WORLD.Get_rank() == 0:
+            print(f"ranks {WORLD.Get_size()}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+                  f"MALLOC_MMAP_THRESHOLD_={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'unset')}")
+            print(f"training step: {args.layers} x (Linear({args.width}, {args.width}) + GELU) float64, batch "
+                  f"{args.batch}, AdamW; MiB per rank (the largest over ranks); state = p + g + 2 moments held")
+            print(f"{'plan':<9}{'state':>8}{'2 units':>8}{'acts':>7}{'formula':>9}{'VmHWM+':>8}{'ratio':>7}{'ok':>4}{'+2g':>6}{'pool':>7}{'s':>7}")
+        for plan in filter(None, args.step_plans.split(",")):
+            step_memory(plan, args.layers, args.width, args.batch)  # once to warm the process (MPI, imports, caches)
+            row = step_memory(plan, args.layers, args.width, args.batch)
+            flags = WORLD.allgather(row is None)
+            if any(flags):
+                if WORLD.Get_rank() == 0:
+                    print(f"{plan:<9}  (needs an even rank count >= 4)")
+                continue
+            assert row is not None
+            worst = {k: WORLD.allreduce(v, op=MPI.MAX) for k, v in row.items()}
+            if WORLD.Get_rank() == 0:
+                ratio = worst["peak"] / worst["formula"]
+                print(f"{plan:<9}{worst['state']:8.2f}{worst['gathered']:8.2f}{worst['acts']:7.2f}"
+                      f"{worst['formula']:9.2f}{worst['peak']:8.2f}{ratio:7.2f}{'yes' if ratio <= 1.15 else 'no':>4}"
+                      f"{worst['peak'] / (worst['formula'] + worst['gathered']):6.2f}{worst['pool']:7.2f}{worst['seconds']:7.3f}")
+        return
     mesh = dt.init_device_mesh("cpu", (WORLD.Get_size(),))
     n = mesh.size()
     me = WORLD.Get_rank()

@@ -117,3 +117,28 @@ def test_train_transformer_block_whole_heads_same_curve_and_resume() -> None:
     assert max(abs(resumed[s] - curves[1][s]) for s in resumed) < 1e-12, (resumed, curves[1])
     assert max(abs(later[s] - curves[1][s]) for s in later) < 1e-9, (later, curves[1])
     assert "resumed on plan replicated from step 4" in out and f"resumed from {checkpoint} at step 4" in again
+
+
+def test_train_transformer_block_fsdp_same_curve_and_resume_across_plans() -> None:
+    """The fsdp plan (one fully_shard unit, batch rows per rank, uneven at 3 ranks, attention
+    and MLP activation-checkpointed) gives the replicated one-rank curve; saved after step 4 at
+    3 ranks, it resumes on the tp plan in the same launch and fully sharded at 2 ranks."""
+    directory = tempfile.mkdtemp()
+    checkpoint = os.path.join(directory, "block.h5")
+    try:
+        one = run(1, sys.executable, "examples/train_transformer_block.py", "--steps", "8", "--plan", "replicated")
+        out = run(3, sys.executable, "examples/train_transformer_block.py", "--steps", "8", "--plan", "fsdp",
+                  "--checkpoint", checkpoint, "--save-at", "4", "--resume-plan", "tp")
+        again = run(2, sys.executable, "examples/train_transformer_block.py", "--steps", "8", "--plan", "fsdp",
+                    "--checkpoint", checkpoint, "--resume")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    assert "plan fsdp" in out and "loss decreased: True" in out, out
+    assert "reduce_scatter" in out and "all_gather" in out, out  # fully sharded: gathered and reduce-scattered
+    want, got = _curve(one), _curve(out)
+    assert list(want) == list(range(8)) and list(got) == list(range(8)), (want, got)
+    assert max(abs(got[s] - want[s]) for s in want) < 1e-9, (got, want)
+    resumed, later = _curve(out, "resumed step "), _curve(again)
+    assert list(resumed) == list(range(4, 8)) and list(later) == list(range(4, 8)), (resumed, later)
+    assert max(abs(resumed[s] - want[s]) for s in resumed) < 1e-9, (resumed, want)
+    assert max(abs(later[s] - want[s]) for s in later) < 1e-9, (later, want)

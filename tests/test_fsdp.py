@@ -258,8 +258,9 @@ class Pair(nn.Module):
 
 
 @pytest.mark.skipif(SIZE % 2 != 0, reason="a (2, N/2) mesh")
+@pytest.mark.parametrize("ckpt", [False, True], ids=["", "checkpointed"])
 @pytest.mark.parametrize("reshard", RESHARD)
-def test_fsdp_over_tensor_parallel_styles(reshard: bool, check: Checker) -> None:
+def test_fsdp_over_tensor_parallel_styles(reshard: bool, ckpt: bool, check: Checker) -> None:
     """torchtitan's 2-D recipe: parallelize_module on mesh['tp'], then fully_shard on mesh['dp'].
     The parameters become DTensors on the (tp, dp) order of the 2-D mesh, each tp piece split
     over dp (Colwise rows nest: the dp split inside the tp one); each dp group feeds its half of
@@ -280,6 +281,9 @@ def test_fsdp_over_tensor_parallel_styles(reshard: bool, check: Checker) -> None
                                                   "b": dt.RowwiseParallel(use_local_output=False)})
         for layer in (model.a, model.b, model):
             dt.fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=reshard)
+        if ckpt:  # activation checkpointing on each 2-D unit
+            for layer in (model.a, model.b):
+                nn.utils.checkpoint_module(layer)
         placed = {k: p.placements for k, p in model.named_parameters()}
         check.true(placed == {"a.weight": (S0, S0), "a.bias": (S0, S0), "b.weight": (dt.Shard(1), S0),
                               "b.bias": (R, S0)}, f"placements {placed}")
@@ -363,4 +367,155 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
     for k, p in model.named_parameters():
         check.equal(p.grad.to_torch(), want[k], f"{k} grad after a failed backward", exact=False, rtol=0, atol=1e-14)
     check.true(all(u.state == "free" for u in model._fsdp_unit.group.units), "every unit freed")
+    check.done()
+
+
+# --- fully_shard x activation checkpointing ---------------------------------------------------
+class CkptBlock(nn.Module):
+    """``x + fc2(dropout(gelu(fc1(norm(x)))))``, widths uneven over the ranks."""
+
+    def __init__(self, d: int, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d, device_mesh=mesh, dtype=np.float64)
+        self.fc1 = nn.Linear(d, 2 * d + 1, device_mesh=mesh, dtype=np.float64)
+        self.fc2 = nn.Linear(2 * d + 1, d, device_mesh=mesh, dtype=np.float64)
+        self.act, self.drop = nn.GELU(), nn.Dropout(0.3)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.fc2(self.drop(self.act(self.fc1(self.norm(x)))))
+
+
+def _ckpt_run(mesh: dt.DeviceMesh, how: str, reshard: bool, blocks: int = 3, d: int = 5) -> dict[str, np.ndarray]:
+    """Loss, d/dx and every parameter's gradient (complete) after one backward; ``how``: plain
+    (replicated, no checkpoint), shard-then-checkpoint, checkpoint-then-shard (each block is
+    a unit and checkpointed), sequential (checkpoint_sequential segments spanning units)."""
+    from dtorch_mpi.nn.checkpoint import apply_activation_checkpointing, checkpoint_sequential
+
+    dt.manual_seed(11)
+    model = nn.Sequential(*(CkptBlock(d, mesh) for _ in range(blocks)))
+    is_block = lambda m: isinstance(m, CkptBlock)
+    if how == "checkpoint-then-shard":
+        apply_activation_checkpointing(model, is_block)
+    if how != "plain":
+        for b in model._modules.values():
+            dt.fully_shard(b, mesh=mesh, reshard_after_forward=reshard)
+        dt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if how == "shard-then-checkpoint":
+        apply_activation_checkpointing(model, is_block)
+    x = dt.distribute_tensor(np.random.default_rng(5).standard_normal((2 * SIZE + 1, d)), mesh, [S0],
+                             requires_grad=True)
+    h = checkpoint_sequential(model, 2, x) if how == "sequential" else model(x)
+    loss = (h * h * h).sum()
+    loss.backward()
+    out = {"loss": np.array(loss.to_torch()), "x": np.array(x.grad.to_torch())}  # type: ignore[union-attr]
+    for k, p in model.named_parameters():
+        if how != "plain":
+            assert p.placements == (S0,) and p.grad is not None and p.grad.placements == (S0,), (k, p.placements)
+        out[k] = np.array(p.grad.to_torch())  # type: ignore[union-attr]
+    if how != "plain":
+        assert all(u.state == "free" for u in model._fsdp_unit.group.units)
+        assert all(b.fc1.weight.placements == (S0,) for b in model._modules.values()), \
+            "the module's attributes point at the sharded parameters after backward"
+    return out
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+@pytest.mark.parametrize("how", ["shard-then-checkpoint", "checkpoint-then-shard", "sequential"])
+def test_fully_shard_composes_with_activation_checkpointing(mesh1d: dt.DeviceMesh, how: str, reshard: bool,
+                                                            check: Checker) -> None:
+    want = _ckpt_run(mesh1d, "plain", reshard)
+    got = _ckpt_run(mesh1d, how, reshard)
+    check.true(sorted(got) == sorted(want), f"the same parameters: {sorted(got)}")
+    for k, w in want.items():
+        check.equal(got[k], w, f"{how}: {k}", exact=False, rtol=0, atol=1e-12)
+    check.done()
+
+
+def test_checkpointed_units_gather_once_per_backward(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recompute computes on the gathered parameters its pre-backward hook gathered: one
+    all-gather per unit in forward and one in backward (reshard_after_forward), as without
+    checkpointing; the pre-backward hooks fire inside checkpointed regions."""
+    from dtorch_mpi.nn.checkpoint import apply_activation_checkpointing
+    counts: dict[str, int] = {}
+    for label in ("plain", "checkpointed"):
+        dt.manual_seed(1)
+        model = nn.Sequential(*(CkptBlock(4, mesh1d) for _ in range(3)))
+        for b in model._modules.values():
+            dt.fully_shard(b, mesh=mesh1d)
+        dt.fully_shard(model, mesh=mesh1d)
+        if label == "checkpointed":
+            apply_activation_checkpointing(model, lambda m: isinstance(m, CkptBlock))
+        calls = {"n": 0, "pre": 0}
+        real = _Unit.start_gather
+        pre = _Unit._pre_backward
+
+        def counting(self: _Unit) -> None:
+            calls["n"] += self.state == "free" and bool(self.slots)
+            real(self)
+
+        def counting_pre(self: _Unit, grad: dt.DTensor) -> None:
+            calls["pre"] += 1
+            pre(self, grad)
+
+        monkeypatch.setattr(_Unit, "start_gather", counting)
+        monkeypatch.setattr(_Unit, "_pre_backward", counting_pre)
+        x = dt.distribute_tensor(np.ones((3, 4)), mesh1d, [S0])
+        (model(x) ** 2).sum().backward()
+        monkeypatch.undo()
+        counts[label] = calls["n"]
+        assert calls["pre"] >= 3, f"{label}: the pre-backward hooks fired {calls['pre']} times"
+    assert counts["plain"] == counts["checkpointed"] == 6, counts
+
+
+# --- construction memory ----------------------------------------------------------------------
+def _layers(width: int, layers: int, mesh: dt.DeviceMesh) -> nn.Module:
+    return nn.Sequential(*(nn.Linear(width, width, device_mesh=mesh, dtype=np.float64) for _ in range(layers)))
+
+
+def test_building_and_fully_sharding_holds_at_most_one_complete_parameter(mesh1d: dt.DeviceMesh) -> None:
+    """Deferred layer parameters are made directly as their Shard(0) pieces (tracemalloc peak of
+    build + fully_shard <= model/N + one parameter), and each piece owns its bytes."""
+    import tracemalloc
+    layers, width = 8, 128
+    dt.rand(width, width, dtype=np.float64, device_mesh=mesh1d)  # the generator's kept scratch, made once
+
+    def build() -> nn.Module:
+        model = _layers(width, layers, mesh1d)
+        for layer in model._modules.values():
+            dt.fully_shard(layer, mesh=mesh1d)
+        dt.fully_shard(model, mesh=mesh1d)
+        for p in model.parameters():
+            p.to_local()
+        return model
+
+    tracemalloc.start()
+    try:
+        model = build()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    full = layers * (width * width + width) * 8
+    one = width * width * 8
+    goal, slack = full / SIZE + one, 96 << 10  # slack: modules, specs, closures, units
+    held = sum(p.to_local().nbytes for p in model.parameters())
+    assert all(p.placements == (S0,) and p.to_local().base is None for p in model.parameters())
+    assert peak <= goal + slack, f"peak {peak} bytes > model/N + one parameter {goal:.0f} (+{slack}); held {held}"
+
+
+@pytest.mark.parametrize("made", [False, True], ids=["deferred", "already-made"])
+def test_fully_shard_keeps_the_replicated_values(mesh1d: dt.DeviceMesh, made: bool, check: Checker) -> None:
+    """A parameter fully_shard makes from its recipe and one whose values were made before both
+    hold the replicated model's values (the sharding-invariant RNG)."""
+    dt.manual_seed(2)
+    want = {k: np.array(p.to_torch()) for k, p in _layers(SIZE + 1, 2, mesh1d).named_parameters()}
+    dt.manual_seed(2)
+    model = _layers(SIZE + 1, 2, mesh1d)
+    if made:
+        for p in model.parameters():
+            p.to_local()
+    for layer in model._modules.values():
+        dt.fully_shard(layer, mesh=mesh1d)
+    for k, p in model.named_parameters():
+        check.true(p.placements == (S0,) and p.to_local().base is None, f"{k}: {p.placements}, owns its piece")
+        check.equal(p.to_torch(), want[k], f"{k} value")
     check.done()

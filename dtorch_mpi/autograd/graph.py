@@ -237,21 +237,30 @@ def run_backward(root: "DTensor", grad: "DTensor", retain_graph: bool = False) -
         _frames.remove(frame)
 
 
+def step(node: Node, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
+    """Run one node backward on its complete output gradient: its pre-hooks, its backward,
+    and (an accumulator) its leaf's post-accumulate hooks. Every loop that runs nodes (the
+    engine's, a checkpoint's recompute) runs them through this, so hooks fire wherever the
+    node runs."""
+    pre_hooks = getattr(node, "pre_hooks", None)  # a Node subclass may skip Node.__init__
+    if pre_hooks:
+        for hook in list(pre_hooks.values()):
+            replaced = hook(grad)
+            if replaced is not None:
+                grad = replaced
+    grads = node.apply(grad, retain_graph)
+    if isinstance(node, AccumulateGrad):
+        for leaf_hook in list(node.post_hooks.values()):
+            leaf_hook(node.leaf)
+    return grads
+
+
 def _run_node(node: Node, pending: dict[int, "DTensor"], consumers: dict[int, int],
               ready: list[tuple[int, Node]], retain_graph: bool) -> None:
     g = pending.pop(id(node), None)
     grads: Sequence[DTensor | None] = ()
     if g is not None:  # else reachable only through inputs that got no gradient
-        pre_hooks = getattr(node, "pre_hooks", None)  # a Node subclass may skip Node.__init__
-        if pre_hooks:
-            for hook in list(pre_hooks.values()):
-                replaced = hook(g)
-                if replaced is not None:
-                    g = replaced
-        grads = node.apply(g, retain_graph)
-        if isinstance(node, AccumulateGrad):
-            for leaf_hook in list(node.post_hooks.values()):
-                leaf_hook(node.leaf)
+        grads = step(node, g, retain_graph)
     for i, nxt in enumerate(node.next):
         if nxt is None:
             continue

@@ -9,7 +9,9 @@ is freed as soon as ``fn`` returns. In backward the node runs ``fn`` again on th
 recording, with the random generator set back to where the forward found it (dropout draws the
 same masks), backpropagates through the recomputed subgraph down to the boundary, and hands the
 engine each boundary edge's gradient in the order the engine would have met it without
-checkpointing: gradients are bit-identical. ``fn`` must record the same operations when run
+checkpointing: gradients are bit-identical. Hooks compose: the result's hooks move to the
+checkpoint node, and the recomputed nodes run through the engine's ``step`` (autograd/graph.py),
+so the hooks the recompute registers (fully_shard's pre-backward) fire there. ``fn`` must record the same operations when run
 again (as torch's checkpoint assumes); a different graph raises.
 """
 
@@ -22,7 +24,7 @@ from .. import random as _random
 from ..autograd.accumulate import accumulate
 from ..autograd.function import version_of
 from ..autograd.grad_mode import _GradMode, enable_grad, no_grad
-from ..autograd.graph import AccumulateGrad, Node
+from ..autograd.graph import AccumulateGrad, Node, step
 from ..dtensor import DTensor
 from .module import Module
 
@@ -59,7 +61,12 @@ def _backprop(nodes: list[Node], grad: DTensor) -> list[DTensor | None]:
     out: list[DTensor | None] = []
     for node in nodes:
         g = pending.pop(id(node), None)
-        grads: Sequence[DTensor | None] = () if g is None else node.apply(g, False)
+        if g is None:
+            grads: Sequence[DTensor | None] = ()
+        elif node is nodes[0]:  # its hooks are the Checkpoint node's, which ran already
+            grads = node.apply(g, False)
+        else:  # through the engine's step: the hooks the recompute registered fire, once each
+            grads = step(node, g, False)
         for k, nxt in enumerate(node.next):
             gi = grads[k] if k < len(grads) else None
             if nxt is None:
@@ -130,7 +137,9 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with no_grad():
             return _backprop(nodes, grad)
 
-    out._grad_fn = Node("Checkpoint", tuple(boundary), backward)
+    node = Node("Checkpoint", tuple(boundary), backward)
+    node.pre_hooks = root.pre_hooks  # hooks on the result (fully_shard's pre-backward) now fire on this node
+    out._grad_fn = node
     return out
 
 

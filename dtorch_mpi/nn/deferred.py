@@ -93,6 +93,23 @@ def materialize(param: Parameter, placements: tuple[Placement, ...] | list[Place
     return param
 
 
+def materialize_as(param: Parameter, spec: DTensorSpec) -> Parameter:
+    """Make a deferred ``param``'s piece as ``spec``: the same global shape and dtype on the
+    same ranks, any mesh order and placements (fully_shard's store layout, whose mesh may be a
+    transposed 2-D mesh); only this rank's piece is made."""
+    if not is_deferred(param):
+        raise ValueError("materialize_as: the parameter already has its values; use materialize(param, placements)")
+    if tuple(spec.shape) != tuple(param.shape) or spec.dtype != param.dtype:
+        raise ValueError(f"materialize_as: spec {tuple(spec.shape)} {spec.dtype} is not the parameter's "
+                         f"{tuple(param.shape)} {param.dtype}")
+    held = _SLOT.__get__(param, DTensor)
+    piece = make_piece(spec, held.fill)
+    if getattr(piece, "base", None) is not None:  # a fill's reshape or broadcast: own the bytes
+        piece = piece.copy(order="C")
+    param._replace(piece, spec)
+    return param
+
+
 def own_piece(local: Any) -> Any:
     """``local`` as an array that owns its bytes (C-ordered): a copy where it is a view of a
     larger array or not C-contiguous, else ``local`` itself. The buffers of collectives (a

@@ -15,7 +15,11 @@ its forward starts            finish its all-gather (prefetched or now), start t
 its forward returns           swap the sharded ones back; free the buffer
                               (``reshard_after_forward``); a pre-backward hook on each output
 a hook on its outputs fires   (pre-backward) finish its all-gather, start the all-gather of
-                              the unit that runs backward next (reverse forward order)
+                              the unit that runs backward next (reverse forward order), swap
+                              the gathered parameters in until the unit is reduced (a
+                              checkpointed function inside it recomputes on them)
+its forward runs in backward  (a checkpoint's recompute) gather, swap in and keep them; the
+                              forward order and its prefetch are left alone
 a gathered grad is complete   (post-accumulate-grad hook) once all of the unit's are: start
                               their reduce-scatters to ``Shard(0)`` (nonblocking, the
                               previous unit's finished first), free the buffer
@@ -56,6 +60,7 @@ from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute import array_namespace, compile_plan
 from ..redistribute.planner import StepKind
 from ..spec import DTensorSpec
+from .deferred import is_deferred, materialize_as
 from .module import Module, Parameter
 
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
@@ -156,6 +161,7 @@ class _Group:
             pending.wait()
         self.reducing = []
         for unit in self.units:
+            unit.free()
             unit.reduced = False
             for s in unit.slots:
                 s.ready = False
@@ -217,6 +223,7 @@ class _Unit:
             self.state = "gathered"
 
     def free(self) -> None:
+        self.expose(False)  # the module computes on the sharded parameters again (see _pre_backward)
         if self.state == "pending":
             for finish in self.pending:
                 finish()  # a prefetch nobody used: its collective still completes
@@ -232,6 +239,8 @@ class _Unit:
 
     # --- forward ------------------------------------------------------------------------
     def forward(self, inner: Any, *args: Any, **kwargs: Any) -> Any:
+        if current_backward() is not None:
+            return self.recompute(inner, *args, **kwargs)
         group = self.group
         if group.active == 0:
             group.current = []
@@ -261,10 +270,26 @@ class _Unit:
             self.free()
         return out
 
-    # --- backward -----------------------------------------------------------------------
-    def _pre_backward(self, grad: DTensor) -> None:
+    def recompute(self, inner: Any, *args: Any, **kwargs: Any) -> Any:
+        """The forward run again during backward (activation checkpointing): on the gathered
+        parameters, which stay gathered and exposed for the backward that follows at once;
+        the forward order and its prefetch stay the forward pass's."""
         self.group.join_backward()
         self.gather()
+        self.expose(True)
+        out = inner(*args, **kwargs)
+        for t in _tensors(out):
+            if t.requires_grad:
+                register_hook(t, self._pre_backward)
+        return out
+
+    # --- backward -----------------------------------------------------------------------
+    def _pre_backward(self, grad: DTensor) -> None:
+        """Gather for the unit's backward and expose the gathered parameters until its
+        gradients are reduced: a checkpointed function inside the unit recomputes on them."""
+        self.group.join_backward()
+        self.gather()
+        self.expose(True)
         before = self.group.neighbour(self, -1)
         if before is not None:
             before.start_gather()  # backward prefetch: the unit whose backward runs next
@@ -314,7 +339,12 @@ def _start_gather(p: Parameter, view: Any) -> Callable[[], Any]:
         axis, sizes = step.args
         work = backend_for(p.device_mesh.device_type).all_gather(step.group, p.to_local(), view, axis, sizes,
                                                                  async_op=True)
-        return work.wait
+
+        def finish() -> None:
+            got = work.wait()  # the result: ``view`` itself, or (the padded path's uneven gather) its own buffer
+            if got is not view:
+                view[...] = got
+        return finish
     with no_grad():  # any other plan: through redistribute, then copied in
         full = p.redistribute(placements=plan.out_spec.placements, async_op=True)
     return lambda: view.__setitem__(Ellipsis, full.to_local())
@@ -429,11 +459,15 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     xp = array_namespace(mesh.device_type)
     for s in slots:
         p, lay = s.sharded, s.layout
+        if is_deferred(p):  # made as its shard, never complete (nn/deferred.py)
+            materialize_as(p, DTensorSpec(lay.store_mesh, lay.stored(), p.shape, p.dtype))
+            continue
         whole = DTensor(p.to_local(), DTensorSpec(lay.store_mesh, lay.to_store(p.placements)[:-1] + (Replicate(),),
                                                   p.shape, p.dtype))  # the same piece, in store order
         with no_grad():
             moved = whole.redistribute(placements=lay.stored())
         p._replace(xp.array(moved.to_local(), copy=True), moved.spec)  # own only its rows
+        del whole, moved  # the complete piece goes before the next parameter's is made
     specs = [DTensorSpec(s.layout.compute_mesh, s.layout.compute_placements, s.sharded.shape, s.sharded.dtype)
              for s in slots]
     buffer = _Buffer([(spec.local_shape, spec.dtype) for spec in specs], mesh.device_type)
