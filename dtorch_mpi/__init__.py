@@ -35,7 +35,7 @@ from .factory import (
     zeros_like,
 )
 from .mesh import DeviceMesh, init_device_mesh
-from .nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
+from .nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module, replicate
 from .ops import catalog as _catalog
 from .ops import install_methods as _install_methods
 from .ops import signature
@@ -56,7 +56,7 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "zeros_like", "ones_like", "empty_like", "full_like", "rand", "randn", "set_comm_path", "zeros",
-    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "fully_shard", "parallelize_module", "signature", "enable_grad", "is_grad_enabled", "no_grad",
+    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "fully_shard", "parallelize_module", "replicate", "signature", "enable_grad", "is_grad_enabled", "no_grad",
     "wait_all",
 ]
 __all__ += _catalog.__all__
