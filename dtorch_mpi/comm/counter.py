@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 _active: list["CommCounter"] = []
+on_started: Callable[[Any, bool], Any] | None = None
+"""While a trace is on (dtorch_mpi/timeline.py): called with each started collective's handle
+(and whether it is nonblocking) right after the record; returns the handle to use."""
 
 
 @dataclass(frozen=True)
