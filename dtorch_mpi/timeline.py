@@ -12,7 +12,10 @@ rank, ``tid`` = a lane per kind (:data:`LANES`): user spans (``with dt.trace_spa
 backward (one event per ``backward()`` and one per node inside it), blocking collectives, and
 nonblocking collectives, each in the first lane free when it started (they overlap each other
 and compute). A collective's event runs from just before the backend starts it to when the
-library learns it finished (its ``wait()``, or a ``done()`` that returned True); ``args``
+library learns it finished (its ``wait()``, a ``done()`` that returned True, or the test the
+trace itself makes of every collective in flight at the end of each span and backward node, so
+an event ends within one node of the real completion; this adds ``MPI_Test`` calls, and so
+some progress, only while tracing); ``args``
 holds its kind, mesh dim, bytes sent/received, padded and nonblocking: the same records a
 ``CommCounter`` gets (the trace is one), so the counts agree. Off (the default) costs one
 ``None`` test per backward node and per collective, and records nothing.
@@ -87,6 +90,7 @@ class Trace:
         self.pending: tuple[Any, float] | None = None
         self.busy: set[int] = set()
         self.unfinished: dict[int, tuple[Any, float, int]] = {}  # id -> (record, start, lane) of unwaited
+        self.handles: dict[int, _Traced] = {}  # the same collectives' handles, tested by poll()
         self.counter = counter.CommCounter()
         self.counter.records = _Stamped(self)
 
@@ -113,10 +117,20 @@ class Trace:
 
         def close() -> None:
             self.unfinished.pop(key, None)
+            self.handles.pop(key, None)
             self.busy.discard(lane)
             self.event(rec.kind, "comm", lane, start, _now_us(), _args(rec))
 
-        return _Traced(handle, close)
+        traced = _Traced(handle, close)
+        if nonblocking:
+            self.handles[key] = traced
+        return traced
+
+    def poll(self) -> None:
+        """Test every collective in flight (at the end of each span and backward node), so
+        its event ends within one node of its completion rather than at its ``wait()``."""
+        for traced in list(self.handles.values()):
+            traced.done()
 
     def write(self) -> str:
         """Write the rank's file (unfinished collectives end at the write, marked
@@ -194,6 +208,8 @@ def _span(t: Trace, name: str, cat: str, tid: int) -> Iterator[None]:
         yield
     finally:
         t.event(name, cat, tid, begin, _now_us())
+        if t.handles:
+            t.poll()
 
 
 _OFF = contextlib.nullcontext()

@@ -45,10 +45,12 @@ def draw(ax: Any, title: str, events: list[dict[str, Any]]) -> None:
             colour, height = "#c8d8ec", 0.9
         elif e["cat"] == "backward":
             colour, height = "#3f6fb5", 0.5
-        else:
-            colour, height = "#bbbbbb", 0.7
+        else:  # a user span: darker the deeper it nests in others on its lane
+            depth = sum(1 for o in xs if o is not e and o["cat"] == "user" and (o["pid"], o["tid"]) == (e["pid"], e["tid"])
+                        and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"])
+            colour, height = ("#dddddd", "#999999", "#666666")[min(depth, 2)], 0.7 - 0.15 * min(depth, 2)
         ax.broken_barh([(start, width)], (row - height / 2, height), facecolors=colour, edgecolors="none")
-        if e["cat"] == "user" and width > 1:
+        if e["cat"] == "user" and width > 4 and e["name"] != "compute":
             ax.text(start + 0.5, row, e["name"], va="center", fontsize=7)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"rank {p}: {names.get((p, t), t)}" for p, t in rows], fontsize=7)
@@ -77,8 +79,9 @@ def main() -> None:
     axes[-1, 0].set_xlabel("ms from the step's start")
     legend = [mpatches.Patch(color=c, label=k) for k, c in list(COLOURS.items())[:3]]
     legend += [mpatches.Patch(color="#c8d8ec", label="backward()"), mpatches.Patch(color="#3f6fb5", label="backward node"),
-               mpatches.Patch(color="#bbbbbb", label="user span")]
-    fig.legend(handles=legend, loc="lower center", ncol=6, fontsize=7, frameon=False)
+               mpatches.Patch(color="#dddddd", label="user span"),
+               mpatches.Patch(color="#999999", label="span inside it (compute)")]
+    fig.legend(handles=legend, loc="lower center", ncol=7, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(args.output, dpi=110)
     print(args.output)
