@@ -195,3 +195,24 @@ def test_refusals(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
     dt.replicate(model, mesh=mesh1d)
     with pytest.raises(ValueError, match="already applied"):
         dt.replicate(model, mesh=mesh1d)
+
+
+@pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
+def test_a_second_backward_adds_to_reduced_gradients(mesh1d: dt.DeviceMesh, bucket: int, check: Checker) -> None:
+    """Without zero_grad, a backward adds to the Replicate gradients of the previous one, as
+    the blocking form (reduce_gradients after each backward) does."""
+    grads = []
+    for use in (None, bucket):
+        dt.manual_seed(0)
+        model = Tower(SIZE + 1, mesh1d)
+        if use is not None:
+            dt.replicate(model, mesh=mesh1d, bucket_bytes=use)
+        for k in range(2):
+            x, y = _data(mesh1d, seed=k)
+            F.mse_loss(model(x), y).backward()
+            if use is None:
+                nn.utils.reduce_gradients(list(model.parameters()))
+        grads.append({n: np.array(p.grad.to_torch()) for n, p in model.named_parameters()})
+    for n in grads[0]:
+        check.equal(grads[1][n], grads[0][n], f"{n} grad after two backwards")
+    check.done()
