@@ -241,3 +241,37 @@ def test_every_rank_makes_the_same_mpi_calls(check: Checker) -> None:
         mesh._groups = [g._comm for g in mesh._groups]  # type: ignore[attr-defined]
         mesh.free()
     check.done()
+
+
+def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """A hook raises (on every rank) after some buckets started: their all-reduces complete at
+    the next backward, which reduces its own gradients exactly as the blocking form does."""
+    dt.manual_seed(0)
+    plain = Tower(SIZE + 1, mesh1d)
+    x, y = _data(mesh1d)
+    F.mse_loss(plain(x), y).backward()
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = {n: np.array(p.grad.to_torch()) for n, p in plain.named_parameters()}
+    dt.manual_seed(0)
+    model = dt.replicate(Tower(SIZE + 1, mesh1d), mesh=mesh1d, bucket_bytes=0)
+    state = model.__dict__["_replicate_state"]
+    F.mse_loss(model(x), y).backward()  # fixes the layout
+
+    def fail(grad: dt.DTensor) -> None:
+        raise ValueError("hook failed")
+
+    for p in model.parameters():
+        p.grad = None
+    h = model.a(x)
+    handle = h.register_hook(fail)  # a's backward runs last: b's and c's buckets have started
+    with pytest.raises(ValueError, match="hook failed"):
+        F.mse_loss(model.c(F.gelu(model.b(F.gelu(h, "tanh")), "tanh")), y).backward()
+    handle.remove()
+    check.true(state.next > 0, f"{state.next} buckets had started before the failure")
+    for p in model.parameters():
+        p.grad = None
+    F.mse_loss(model(x), y).backward()
+    for n, p in model.named_parameters():
+        check.true(p.grad is not None and p.grad.placements == (R,), f"{n}: grad placed")
+        check.equal(np.array(p.grad.to_torch()), want[n], f"{n} grad after a failed backward")
+    check.done()

@@ -41,7 +41,6 @@ from typing import Any
 
 from ..autograd.graph import current_backward, queue_callback, register_post_accumulate_grad_hook
 from ..comm import Group, backend_for
-from ..comm.work import Work
 from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..mesh import DeviceMesh
@@ -195,7 +194,7 @@ class _Replicated:
         """A backward that raised: its all-reduces complete, the gradients stay as they were."""
         for bucket in self.buckets:
             for _, work, out in bucket.flights:
-                if isinstance(work, Work) and out is not None:
+                if out is not None:  # an all-reduce (any handle: a traced one too)
                     work.wait()
             bucket.flights = []
         self.frame = None
