@@ -35,7 +35,7 @@ from .factory import (
     zeros_like,
 )
 from .mesh import DeviceMesh, init_device_mesh
-from .nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
+from .nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module, replicate
 from .ops import catalog as _catalog
 from .ops import install_methods as _install_methods
 from .ops import signature
@@ -44,6 +44,7 @@ from .placement import Partial, Placement, Replicate, Shard
 from .random import manual_seed
 from .redistribute import plan_redistribute
 from .split import compute_local_shape_and_offset
+from .timeline import trace, trace_span
 from .visualize import sharding_table, visualize_sharding
 
 _install_methods(DTensor)  # DTensor methods and operators, derived from the operator declarations
@@ -56,7 +57,7 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "zeros_like", "ones_like", "empty_like", "full_like", "rand", "randn", "set_comm_path", "zeros",
-    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "fully_shard", "parallelize_module", "signature", "enable_grad", "is_grad_enabled", "no_grad",
+    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "fully_shard", "parallelize_module", "replicate", "trace", "trace_span", "signature", "enable_grad", "is_grad_enabled", "no_grad",
     "wait_all",
 ]
 __all__ += _catalog.__all__

@@ -151,6 +151,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DTORCH_SEED", "integer", "0",
             "The seed of the counter-based random sequence (the same on every rank).",
             _seed, "first use", "random.py"),
+    Setting("DTORCH_TRACE", "a file path (empty: off)", "",
+            "Trace the whole program: a Chrome-trace / Perfetto timeline of collectives, backward "
+            "nodes and spans, written at exit as `PATH` with `.rank<r>` before the suffix.",
+            str, "import", "timeline.py"),
     Setting("DTORCH_COMM_REPORT", "flag (`1` on; unset, empty or `0` off)", "",
             "Count every collective of the script and print the table at exit (rank 0).",
             _on_unless_empty_or_zero, "import", "comm/counter.py"),

@@ -7,6 +7,8 @@ Plans (``PLANS``: placements per mesh dim, as data):
   replicated  every rank holds everything and the whole batch
   dp          data parallel: the batch is Shard(0), parameters Replicate; gradients are
               Partial("sum") and ``reduce_gradients`` all-reduces them (packed)
+  replicate   dp with ``dtorch.replicate``: the same sums, all-reduced in buckets started
+              during backward as each bucket's gradients complete (no ``reduce_gradients``)
   tp          tensor parallel: fc1 Colwise (weight Shard(0)), fc2 Rowwise (Shard(1), its
               Partial output all-reduced once), head Colwise: class-sharded logits for the
               vocab-parallel cross_entropy (which never gathers them)
@@ -48,6 +50,7 @@ OPTIMIZERS: dict[str, tuple[Any, dict[str, Any]]] = {
 PLANS: dict[str, dict[str, Any]] = {
     "replicated": {"batch": [R], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R])},
     "dp": {"batch": [S0], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R])},
+    "replicate": {"batch": [S0], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R]), "replicate": {}},
     "tp": {"batch": [R], "fc1": ([S0], [S0]), "fc2": ([S1], [R]), "head": ([S0], [S0])},
     "dp_tp": {"batch": [S0, R], "fc1": ([R, S0], [R, S0]), "fc2": ([R, S1], [R, R]), "head": ([R, S0], [R, S0])},
     "fsdp": {"batch": [S0], "fc1": ([R], [R]), "fc2": ([R], [R]), "head": ([R], [R]),
@@ -58,7 +61,8 @@ PLANS: dict[str, dict[str, Any]] = {
                 "fully_shard": {"reshard_after_forward": True}},
 }
 """Per plan: the batch's placements, each layer's (weight, bias) placements and, for the
-fully sharded plans, the ``fully_shard`` options (applied per layer, then to the model)."""
+fully sharded plans, the ``fully_shard`` options (applied per layer, then to the model), for
+``replicate`` its options (applied to the model)."""
 
 
 def mesh_shape(plan: str, size: int) -> tuple[int, ...] | None:
@@ -103,6 +107,8 @@ def apply_plan(model: MLP, plan: str) -> None:
         module = getattr(model, layer)
         for name, placements in zip(("weight", "bias"), PLANS[plan][layer]):
             setattr(module, name, nn.Parameter(getattr(module, name).redistribute(placements=placements)))
+    if "replicate" in PLANS[plan]:  # dp with the all-reduce in buckets during backward
+        dt.replicate(model, mesh=model.fc1.weight.device_mesh, **PLANS[plan]["replicate"])
     options = PLANS[plan].get("fully_shard")
     if options is not None:
         mesh = model.fc1.weight.device_mesh
@@ -147,7 +153,7 @@ def train(plan: str, optimizer: str = "sgd", task: str = "regression", steps: in
             else:
                 loss = F.cross_entropy(out, y_full)
             loss.backward()
-            if "fully_shard" not in PLANS[plan]:  # fully_shard reduced them during backward
+            if not {"fully_shard", "replicate"} & PLANS[plan].keys():  # those reduced them during backward
                 nn.utils.reduce_gradients([p for _, p in params])
             opt.step()
             losses.append(float(loss.to_torch()))

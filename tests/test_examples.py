@@ -77,7 +77,7 @@ def test_checkpoint_reshard() -> None:
 
 def test_train_mlp_same_curve_on_every_plan_and_rank_count() -> None:
     curves = {}
-    for ranks, plan in (("1", "replicated"), ("3", "dp"), ("3", "tp"), ("4", "dp_tp"), ("3", "fsdp"), ("4", "fsdp_tp")):
+    for ranks, plan in (("1", "replicated"), ("3", "dp"), ("2", "replicate"), ("3", "tp"), ("4", "dp_tp"), ("3", "fsdp"), ("4", "fsdp_tp")):
         out = run(int(ranks), sys.executable, "examples/train_mlp.py", "--plan", plan, "--optimizer", "adamw",
                   "--task", "classification", "--steps", "5")
         curves[(ranks, plan)] = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step ")]

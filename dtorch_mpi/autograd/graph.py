@@ -30,6 +30,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import timeline as _trace
 from .accumulate import accumulate
 from .grad_mode import no_grad
 
@@ -227,7 +228,7 @@ def run_backward(root: "DTensor", grad: "DTensor", retain_graph: bool = False) -
     frame = _Frame()
     _frames.append(frame)
     try:
-        with no_grad():
+        with no_grad(), _trace.backward_span("backward()"):
             while ready:
                 _, node = heapq.heappop(ready)
                 _run_node(node, pending, consumers, ready, retain_graph)
@@ -248,7 +249,11 @@ def step(node: Node, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor |
             replaced = hook(grad)
             if replaced is not None:
                 grad = replaced
-    grads = node.apply(grad, retain_graph)
+    if _trace.current is None:
+        grads = node.apply(grad, retain_graph)
+    else:
+        with _trace.backward_span(node.name):
+            grads = node.apply(grad, retain_graph)
     if isinstance(node, AccumulateGrad):
         for leaf_hook in list(node.post_hooks.values()):
             leaf_hook(node.leaf)

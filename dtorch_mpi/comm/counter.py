@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 from .. import settings
 
 _active: list["CommCounter"] = []
+on_started: Callable[[Any, bool], Any] | None = None
+"""While a trace is on (dtorch_mpi/timeline.py): called with each started collective's handle
+(and whether it is nonblocking) right after the record; returns the handle to use."""
 
 
 @dataclass(frozen=True)

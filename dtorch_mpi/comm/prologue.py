@@ -120,6 +120,8 @@ class Prologued:
 
     @staticmethod
     def _finish(handle: Handle, async_op: bool) -> Handle:
+        if counter.on_started is not None:  # a trace is on (dtorch_mpi/timeline.py)
+            handle = counter.on_started(handle, async_op)
         if not async_op:
             handle.wait()  # bounded by the collective deadline
         return handle

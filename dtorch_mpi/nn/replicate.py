@@ -1,0 +1,247 @@
+"""``replicate``: data parallel (PyTorch DDP / ``replicate``) with the gradient all-reduce
+running during backward, on the autograd hooks.
+
+Parameters stay ``Replicate`` on a 1-D mesh; a batch sharded over it gives every parameter a
+``Partial("sum")`` gradient whose terms are already terms of the whole batch's loss (the loss
+divides by the global batch size), so the all-reduce **sums** them: the result is the gradient
+of the replicated single-model run on the whole batch, exactly what ``reduce_gradients`` gives
+(the ``dp`` plan of examples/train_mlp.py). No extra division by the rank count.
+
+Gradients travel in buckets of about ``bucket_bytes`` (25 MB as DDP's ``bucket_cap_mb``,
+counted on global sizes so every rank cuts at the same places), each packed into one buffer and
+one nonblocking all-reduce:
+
+==============================  ===========================================================
+point                           what happens
+==============================  ===========================================================
+a gradient is complete          (post-accumulate-grad hook) mark it; every bucket whose
+                                gradients are all complete and whose predecessors have
+                                started is packed and its all-reduce started
+backward finishes               (queued callback) start the buckets still waiting (a
+                                parameter unused in this backward), wait for all of them,
+                                set each ``.grad`` to its ``Replicate`` part of the result
+==============================  ===========================================================
+
+Buckets start strictly in their order, so every rank starts the same collectives in the same
+order whatever order its hooks fire in. The first backward uses the reverse order of the
+parameters (metadata: the same on every rank); it records the order the gradients complete in
+(the reverse order of use) and, at its end, every rank checks that this order is the same on
+every rank (``require_same``: ``SPMDDivergenceError`` on every rank otherwise) and the buckets
+are cut along it from then on. Inside ``with model.no_sync():`` the hooks do nothing: the
+gradients accumulate as ``Partial`` and the first backward outside reduces the sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..autograd.graph import current_backward, queue_callback, register_post_accumulate_grad_hook
+from ..comm import Group, backend_for
+from ..dtensor import DTensor
+from ..errors import PlacementError
+from ..mesh import DeviceMesh
+from ..placement import Replicate
+from ..redistribute import array_namespace, compile_plan
+from ..redistribute.planner import StepKind
+from ..spmd import require_same
+from .module import Module, Parameter
+from .utils import BUCKET_BYTES
+
+
+@dataclass
+class _Bucket:
+    """Parameters (indices into the module's list) reduced by one packed all-reduce, and the
+    collectives started for them in the running backward."""
+
+    params: list[int]
+    waiting: int = 0  # gradients not yet complete in this backward
+    started: bool = False
+    flights: list[tuple[list[tuple[int, Any]], Any, Any]] = field(default_factory=list)  # (items, work, out)
+
+
+def _cut(order: list[int], params: list[Parameter], bucket_bytes: int) -> list[_Bucket]:
+    """Buckets of consecutive parameters of ``order``, each at most ``bucket_bytes`` (global
+    sizes) unless one parameter alone is larger (0: one per parameter)."""
+    buckets: list[_Bucket] = []
+    size = 0
+    for i in order:
+        n = math.prod(params[i].shape) * params[i].dtype.itemsize
+        if not buckets or (buckets[-1].params and size + n > bucket_bytes):
+            buckets.append(_Bucket([]))
+            size = 0
+        buckets[-1].params.append(i)
+        size += n
+    return buckets
+
+
+class _Replicated:
+    """The bucket layout and the running backward's reduction state of one module."""
+
+    def __init__(self, module: Module, mesh: DeviceMesh, params: list[Parameter], bucket_bytes: int) -> None:
+        self.module, self.mesh, self.params, self.bucket_bytes = module, mesh, params, bucket_bytes
+        self.fixed = False  # the layout follows an observed order checked across ranks
+        self.buckets = _cut(list(range(len(params)))[::-1], params, bucket_bytes)
+        self.bucket_of = self._index()
+        self.seen: list[int] = []  # completion order in this backward
+        self.ready: set[int] = set()
+        self.next = 0  # first bucket not started
+        self.frame: Any = None
+        self.syncing = True
+
+    def _index(self) -> dict[int, int]:
+        return {i: b for b, bucket in enumerate(self.buckets) for i in bucket.params}
+
+    def layout(self) -> list[list[int]]:
+        return [b.params for b in self.buckets]
+
+    # --- during backward ----------------------------------------------------------------
+    def join_backward(self) -> None:
+        frame = current_backward()
+        if frame is not None and self.frame is not frame:
+            if self.frame is not None:  # the previous backward raised before its end callback
+                self.discard()
+            self.frame = frame
+            for b in self.buckets:
+                b.waiting, b.started, b.flights = len(b.params), False, []
+            self.seen, self.ready, self.next = [], set(), 0
+            queue_callback(self.finish)
+
+    def grad_complete(self, i: int) -> None:
+        if not self.syncing:
+            return
+        self.join_backward()
+        if i in self.ready:
+            return
+        self.ready.add(i)
+        self.seen.append(i)
+        self.buckets[self.bucket_of[i]].waiting -= 1
+        while self.next < len(self.buckets) and self.buckets[self.next].waiting == 0:
+            self.start(self.buckets[self.next])
+            self.next += 1
+        for bucket in self.buckets[:self.next]:  # a Test each: MPI progresses, completions are seen early
+            for _, work, out in bucket.flights:
+                if out is not None:
+                    work.done()
+
+    def start(self, bucket: _Bucket) -> None:
+        """Pack the bucket's gradients that need an all-reduce (one buffer per reduce op and
+        dtype) and start their all-reduces, nonblocking."""
+        bucket.started = True
+        runs: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+        for i in bucket.params:
+            p = self.params[i]
+            g = p.grad
+            if g is None:
+                continue
+            steps = compile_plan(g.spec, p.placements).steps
+            if not steps:
+                continue
+            group = steps[0].group
+            if len(steps) == 1 and steps[0].kind == StepKind.ALL_REDUCE and group is not None:
+                runs.setdefault((steps[0].args[0], g.dtype, group.mesh_dim), []).append((i, steps[0]))
+            else:  # anything else (not made by a sharded batch): as redistribute would, now
+                bucket.flights.append(([(i, None)], g.redistribute(placements=p.placements), None))
+        xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
+        for (op, _dtype, _dim), items in runs.items():
+            pieces = [self.params[i].grad.to_local() for i, _ in items]  # type: ignore[union-attr]
+            flat = xp.concatenate([x.reshape(-1) for x in pieces]) if len(pieces) > 1 else pieces[0].reshape(-1)
+            out = xp.empty_like(flat)
+            on: Group = items[0][1].group
+            work = backend.all_reduce(on, flat, out, op, async_op=True)
+            bucket.flights.append((items, work, out))
+
+    # --- backward finished ----------------------------------------------------------------
+    def finish(self) -> None:
+        """Start what waits, in order; wait; set every reduced ``.grad``; fix the layout after
+        the first backward (checked across ranks)."""
+        for bucket in self.buckets[self.next:]:
+            self.start(bucket)
+        self.next = len(self.buckets)
+        for bucket in self.buckets:
+            self._land(bucket)
+        self.frame = None
+        if not self.fixed:
+            order = self.seen + [i for i in range(len(self.params))[::-1] if i not in self.ready]
+            require_same(self.mesh.get_comm(), {"order": tuple(order)},
+                         what="replicate: the order gradients complete in during backward (the reverse "
+                              "order of use of the parameters; every rank must run the same forward)")
+            self.buckets = _cut(order, self.params, self.bucket_bytes)
+            self.bucket_of = self._index()
+            self.fixed = True
+
+    def _land(self, bucket: _Bucket) -> None:
+        flights, bucket.flights = bucket.flights, []
+        for items, work, out in flights:
+            if out is None:  # a redistributed gradient
+                (i, _), = items
+                self.params[i].grad = work
+                continue
+            work.wait()
+            at = 0
+            for i, _ in items:
+                p = self.params[i]
+                g = p.grad
+                assert g is not None
+                n = math.prod(g.to_local().shape)
+                p.grad = DTensor(out[at:at + n].reshape(g.to_local().shape), compile_plan(g.spec, p.placements).out_spec)
+                at += n
+
+    def discard(self) -> None:
+        """A backward that raised: its all-reduces complete, the gradients stay as they were."""
+        for bucket in self.buckets:
+            for _, work, out in bucket.flights:
+                if out is not None:  # an all-reduce (any handle: a traced one too)
+                    work.wait()
+            bucket.flights = []
+        self.frame = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate their gradients unreduced (``Partial``); the first
+        backward after the block reduces the sum (gradient accumulation over micro-batches)."""
+        before, self.syncing = self.syncing, False
+        try:
+            yield
+        finally:
+            self.syncing = before
+
+
+def _on_grad_complete(state: _Replicated, i: int) -> Any:
+    return lambda _leaf: state.grad_complete(i)
+
+
+def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BYTES) -> Module:
+    """Data parallel over the 1-D ``mesh``: every parameter must be ``Replicate`` there; during
+    backward the gradients are all-reduced in buckets of ``bucket_bytes`` (summed: see the module
+    docstring), and after ``backward()`` every ``.grad`` is ``Replicate``. Adds
+    ``module.no_sync()`` (gradient accumulation). Returns the module; see docs/training.md."""
+    if not isinstance(module, Module):
+        raise TypeError(f"replicate takes a dtorch_mpi.nn.Module, got {type(module).__name__}")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"replicate(module, *, mesh=...): mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim != 1:
+        raise ValueError(f"replicate needs a 1-D mesh (the data-parallel dim), got a {mesh.ndim}-D mesh; "
+                         f"pass a sub-mesh such as mesh['dp']")
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+        raise ValueError(f"replicate: bucket_bytes must be a non-negative int (bytes per bucket; 0: one "
+                         f"all-reduce per gradient), got {bucket_bytes!r}")
+    if "_replicate_state" in module.__dict__:
+        raise ValueError(f"replicate was already applied to this {type(module).__name__}")
+    if "_fsdp_unit" in module.__dict__:
+        raise ValueError("replicate: this module is fully_shard-ed; use one data-parallel wrapper")
+    params = [p for p in module.parameters() if p.requires_grad]
+    for name, p in module.named_parameters():
+        if p.device_mesh != mesh or p.placements != (Replicate(),):
+            raise PlacementError(
+                f"replicate: parameter {name} is placed {list(p.placements)} on {p.device_mesh!r}; replicate "
+                f"takes parameters Replicate on the mesh given ({mesh!r}): build the module on that mesh")
+    state = _Replicated(module, mesh, params, bucket_bytes)
+    for i, p in enumerate(params):
+        register_post_accumulate_grad_hook(p, _on_grad_complete(state, i))
+    object.__setattr__(module, "_replicate_state", state)
+    object.__setattr__(module, "no_sync", state.no_sync)
+    return module

@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""How much of a data-parallel step's communication is exposed? (``replicate``, ``fully_shard``)
+
+Under mpiexec. A stack of ``--layers`` Linear(H, H) layers (float64, H from ``--layer-mb``:
+each layer's weight that many MB), a small Shard(0) batch, and per layer injected compute of
+``--work-ms`` in forward and again in backward (a hook on the layer's output runs it just before
+the layer's backward), so compute and communication have known sizes. Two kinds of compute:
+``offcore`` (time.sleep: work that leaves this rank's core free, a GPU kernel or a transfer
+carried by a network card) and ``numpy`` (np.sin over an array: needs the core MPI's
+shared-memory copies need too). Cases, interleaved repeat by repeat, medians of the slowest rank:
+
+  compute     the plain model, batch sharded, no gradient reduction (the compute-only step)
+  blocking    compute, then ``reduce_gradients`` (the packed blocking form)
+  replicate   ``dtorch.replicate(bucket_bytes=--bucket-mb)``: all-reduces during backward
+  fsdp        ``fully_shard`` per layer and on the root (prefetched all-gathers, reduce-scatters
+              during backward)
+
+and the communication alone: ``comm(dp)`` = blocking - compute; ``comm(fsdp)`` = the fsdp step
+with no injected work - the compute step with no injected work. Exposed = step - compute;
+``exp/comm`` = exposed / comm (the goal: <= 0.25 off-core); ``step/max`` = step / max(compute,
+comm) (goal <= 1.1). BLAS runs one thread per rank (set before NumPy loads). ``--trace PATH`` writes a timeline (dtorch_mpi/timeline.py) of one step
+of each of replicate and fsdp (``PATH`` -> ``PATH-replicate.rank<r>.json`` ...).
+"""
+
+from __future__ import annotations
+
+# ruff: noqa: E402  (the BLAS thread count must be set before NumPy is imported)
+import argparse
+import os
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one core per rank: a threaded
+    os.environ.setdefault(_var, "1")  # BLAS made each backward matmul 10x slower on this loaded machine
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+from benchtools import timed
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+from dtorch_mpi import nn
+from dtorch_mpi.nn import functional as F
+
+WORLD = MPI.COMM_WORLD
+S0 = dt.Shard(0)
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, width: int, mesh: dt.DeviceMesh, work: Callable[[], object]) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(width, width, bias=False, device_mesh=mesh, dtype=np.float64)
+                                      for _ in range(layers)])
+        self.work = work
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        for layer in self.layers:
+            x = layer(x)
+            self.compute()  # the layer's forward compute
+            if x.requires_grad:
+                x.register_hook(lambda g: self.compute())  # its backward compute
+        return x
+
+    def compute(self) -> None:
+        with dt.trace_span("compute"):
+            self.work()
+
+
+def numpy_work(seconds: float) -> Callable[[], object]:
+    if seconds <= 0:
+        return lambda: None
+    probe = np.random.default_rng(0).random(1 << 16)
+    out = np.empty_like(probe)
+    per = timed(lambda: np.sin(probe, out=out), 7) / probe.size
+    n = WORLD.bcast(max(1, int(seconds / per)))
+    data = np.random.default_rng(1).random(n)
+    result = np.empty_like(data)
+    return lambda: np.sin(data, out=result)
+
+
+def offcore_work(seconds: float) -> Callable[[], object]:
+    return (lambda: None) if seconds <= 0 else (lambda: time.sleep(seconds))
+
+
+def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Callable[[], object],
+              bucket: int) -> Callable[[], object]:
+    dt.manual_seed(0)
+    model = Stack(layers, width, mesh, work)
+    if plan == "replicate":
+        dt.replicate(model, mesh=mesh, bucket_bytes=bucket)
+    elif plan == "fsdp":
+        for layer in model.layers:
+            dt.fully_shard(layer, mesh=mesh)
+        dt.fully_shard(model, mesh=mesh)
+    params = list(model.parameters())
+    x = dt.distribute_tensor(np.random.default_rng(2).standard_normal((4 * WORLD.size, width)), mesh, [S0])
+
+    def step() -> object:
+        for p in params:
+            p.grad = None
+        loss = F.mse_loss(model(x), x)
+        loss.backward()
+        if plan == "blocking":
+            nn.utils.reduce_gradients(params)
+        return loss
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layer-mb", type=float, default=2.0)
+    ap.add_argument("--work-ms", type=float, default=5.0, help="injected compute per layer, forward and backward")
+    ap.add_argument("--bucket-mb", type=float, default=2.0)
+    ap.add_argument("--kinds", default="offcore,numpy")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--trace", default="")
+    args = ap.parse_args()
+    mesh = dt.init_device_mesh("cpu", (WORLD.size,))
+    width = max(1, int(np.sqrt(args.layer_mb * (1 << 20) / 8)))
+    bucket = int(args.bucket_mb * (1 << 20))
+    if WORLD.rank == 0:
+        print(f"{WORLD.size} ranks, {os.cpu_count()} cores, load before {os.getloadavg()[0]:.2f}; "
+              f"{args.layers} layers of {width}x{width} float64 ({width * width * 8 / 2**20:.2f} MB), "
+              f"{args.work_ms} ms compute per layer per direction, bucket {args.bucket_mb} MB, {args.reps} reps")
+        print(f"{'kind':>8} {'plan':>9} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
+              f"{'step/max':>8}   (ms, medians of the slowest rank)")
+    bare = {p: make_step(p, mesh, args.layers, width, lambda: None, bucket) for p in ("compute", "fsdp")}
+    for kind in args.kinds.split(","):
+        work = (offcore_work if kind == "offcore" else numpy_work)(args.work_ms / 1e3)
+        steps = {p: make_step(p, mesh, args.layers, width, work, bucket)
+                 for p in ("compute", "blocking", "replicate", "fsdp")}
+        cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"], "bare fsdp": bare["fsdp"]}
+        for fn in cases.values():
+            fn()  # warm-up (replicate fixes its bucket order on the first)
+            fn()
+        samples: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.reps):
+            for name, fn in cases.items():
+                WORLD.Barrier()
+                start = time.perf_counter()
+                fn()
+                samples[name].append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
+        med = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+        comm = {"blocking": med["blocking"] - med["compute"], "replicate": med["blocking"] - med["compute"],
+                "fsdp": med["bare fsdp"] - med["bare compute"]}
+        if WORLD.rank == 0:
+            print(f"{kind:>8} all medians: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
+            for plan in ("blocking", "replicate", "fsdp"):
+                exposed = med[plan] - med["compute"]
+                c = comm[plan]
+                print(f"{kind:>8} {plan:>9} {med['compute']:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
+                      f"{exposed / c if c > 0 else float('nan'):8.2f} {med[plan] / max(med['compute'], c):8.2f}")
+        if args.trace and kind == args.kinds.split(",")[0]:
+            for plan in ("replicate", "fsdp"):
+                root, ext = os.path.splitext(args.trace)
+                with dt.trace(f"{root}-{plan}-{kind}{ext or '.json'}"), dt.trace_span("step"):
+                    steps[plan]()
+    if WORLD.rank == 0:
+        print(f"load after {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

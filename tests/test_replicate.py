@@ -1,0 +1,277 @@
+"""replicate (data parallel, gradients all-reduced in buckets during backward): results bitwise
+equal to the blocking ``reduce_gradients`` form (SGD and AdamW, uneven and empty shapes, one
+bucket per gradient, tiny buckets, the default), gradient accumulation with ``no_sync``, the
+bucketed nonblocking all-reduces (CommCounter) started before backward ends, the order check
+across ranks, and the refusals. The training curves against the NumPy reference are in
+test_training.py (plan replicate)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import RANK, SIZE, Checker, lengths_for
+
+import dtorch_mpi as dt
+from dtorch_mpi import nn
+from dtorch_mpi.nn import functional as F
+
+R, S0 = dt.Replicate(), dt.Shard(0)
+BUCKETS = [0, 200, nn.utils.BUCKET_BYTES]  # one per gradient, a few, one
+
+
+class Tower(nn.Module):
+    """Three layers around hidden widths ``width`` (0, below, equal to, above the rank count)."""
+
+    def __init__(self, width: int, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, width, device_mesh=mesh, dtype=np.float64)
+        self.b = nn.Linear(width, 5, device_mesh=mesh, dtype=np.float64)
+        self.c = nn.Linear(5, 3, device_mesh=mesh, dtype=np.float64)
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        return self.c(F.gelu(self.b(F.gelu(self.a(x), "tanh")), "tanh"))
+
+
+def _data(mesh: dt.DeviceMesh, batch: int = 7, seed: int = 3) -> tuple[dt.DTensor, dt.DTensor]:
+    x = np.random.default_rng(seed).standard_normal((batch, 4))
+    y = np.random.default_rng(seed + 1).standard_normal((batch, 3))
+    return dt.distribute_tensor(x, mesh, [S0]), dt.distribute_tensor(y, mesh, [S0])
+
+
+def _train(mesh: dt.DeviceMesh, width: int, optimizer: str, bucket: int | None, steps: int = 3,
+           micro: int = 1) -> tuple[dict[str, np.ndarray], nn.Module]:
+    """``steps`` optimizer steps of ``micro`` accumulated backwards each; ``bucket`` None: the
+    blocking form (``reduce_gradients`` after backward), else ``replicate`` with that bucket."""
+    dt.manual_seed(0)
+    model = Tower(width, mesh)
+    if bucket is not None:
+        dt.replicate(model, mesh=mesh, bucket_bytes=bucket)
+    params = list(model.parameters())
+    opt = dt.optim.AdamW(params, lr=0.02) if optimizer == "adamw" else dt.optim.SGD(params, lr=0.1, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(micro):
+            x, y = _data(mesh, seed=10 * step + k)
+            last = k == micro - 1
+            ctx: Any = model.no_sync() if bucket is not None and not last else contextlib.nullcontext()
+            with ctx:
+                F.mse_loss(model(x), y).backward()
+        if bucket is None:
+            nn.utils.reduce_gradients(params)
+        opt.step()
+    return {k: np.array(p.to_torch()) for k, p in model.named_parameters()}, model
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("width", lengths_for(SIZE))
+def test_training_equals_the_blocking_form_bitwise(mesh1d: dt.DeviceMesh, width: int, optimizer: str,
+                                                   bucket: int, check: Checker) -> None:
+    want, _ = _train(mesh1d, width, optimizer, None)
+    got, model = _train(mesh1d, width, optimizer, bucket)
+    for name, p in model.named_parameters():
+        check.equal(got[name], want[name], f"{name} after 3 steps")
+        check.true(p.placements == (R,) and p.grad is not None and p.grad.placements == (R,),
+                   f"{name}: placed {p.placements}, grad {None if p.grad is None else p.grad.placements}")
+    check.done()
+
+
+@pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
+def test_no_sync_accumulates_and_reduces_once(mesh1d: dt.DeviceMesh, bucket: int, check: Checker) -> None:
+    want, _ = _train(mesh1d, SIZE + 1, "adamw", None, steps=2, micro=3)
+    got, _ = _train(mesh1d, SIZE + 1, "adamw", bucket, steps=2, micro=3)
+    for name in want:
+        check.equal(got[name], want[name], f"{name} after 2 steps of 3 micro-batches")
+    dt.manual_seed(0)
+    model = dt.replicate(Tower(3, mesh1d), mesh=mesh1d)
+    x, y = _data(mesh1d)
+    with dt.CommCounter() as inside, model.no_sync():
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+    reduces = [r for r in inside.records if r.kind == "all_reduce" and r.nonblocking]
+    check.true(not reduces, f"no_sync backward all-reduced gradients: {reduces}")
+    check.true(all(p.grad is not None and p.grad.placements[0].is_partial() for p in model.parameters()),
+               "inside no_sync the gradients stay Partial")
+    F.mse_loss(model(x), y).backward()
+    check.true(all(p.grad is not None and p.grad.placements == (R,) for p in model.parameters()),
+               "the backward after no_sync reduces")
+    check.done()
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_buckets_are_nonblocking_and_start_during_backward(mesh1d: dt.DeviceMesh, bucket: int,
+                                                           check: Checker) -> None:
+    dt.manual_seed(0)
+    model = dt.replicate(Tower(SIZE + 1, mesh1d), mesh=mesh1d, bucket_bytes=bucket)
+    state = model.__dict__["_replicate_state"]
+    params = list(model.parameters())
+    sizes = {id(p): p.size * p.dtype.itemsize for p in params}
+    for step in range(2):  # the first backward fixes the layout, the second follows it
+        x, y = _data(mesh1d, seed=step)
+        loss = F.mse_loss(model(x), y)
+        started_before_end: list[int] = []
+        finish = state.finish
+
+        def spy() -> None:
+            started_before_end.append(state.next)
+            finish()
+
+        state.finish = spy
+        with dt.CommCounter() as moved:
+            loss.backward()
+        del state.finish
+        reduces = [r for r in moved.records if r.kind == "all_reduce"]
+        layout = state.layout()
+        want = [sum(sizes[id(params[i])] for i in b) for b in layout]
+        check.true(all(r.nonblocking for r in reduces), f"step {step}: blocking all-reduces")
+        if SIZE > 1:
+            check.true([r.bytes_sent for r in reduces] == want,
+                       f"step {step}: all-reduce bytes {[r.bytes_sent for r in reduces]}, buckets {want}")
+        check.true(started_before_end == [len(layout)],
+                   f"step {step}: {started_before_end} of {len(layout)} buckets started before backward ended")
+        check.true(bucket != 0 or len(layout) == len(params), "bucket 0: one all-reduce per gradient")
+        check.true(bucket != nn.utils.BUCKET_BYTES or len(layout) == 1, "the default: one bucket here")
+        for p in params:
+            p.grad = None
+    order = [i for b in state.layout() for i in b]
+    check.true(order == list(range(len(params)))[::-1], f"the reverse order of use: {order}")
+    check.done()
+
+
+class Branches(nn.Module):
+    """Two branches whose forward order is the caller's choice."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.b = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.a_first = True
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        if self.a_first:
+            ya = self.a(x)
+            return ya + self.b(x)
+        yb = self.b(x)
+        return self.a(x) + yb
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs two ranks to diverge")
+def test_ranks_using_parameters_in_different_orders_raise_on_every_rank(mesh1d: dt.DeviceMesh,
+                                                                        check: Checker) -> None:
+    dt.manual_seed(0)
+    model = dt.replicate(Branches(mesh1d), mesh=mesh1d, bucket_bytes=0)
+    model.a_first = RANK % 2 == 0
+    x, y = _data(mesh1d)
+    with pytest.raises(dt.SPMDDivergenceError, match="order gradients complete"):
+        F.mse_loss(model(x), y).backward()
+    want = {}
+    dt.manual_seed(0)
+    plain = Branches(mesh1d)
+    F.mse_loss(plain(x), y).backward()
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = {k: np.array(p.grad.to_torch()) for k, p in plain.named_parameters()}
+    for k, p in model.named_parameters():  # the reduction itself ran in an order every rank shares
+        check.equal(np.array(p.grad.to_torch()), want[k], f"{k} grad after the refused order")
+    check.done()
+
+
+def test_refusals(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
+    dt.manual_seed(0)
+    model = Tower(3, mesh1d)
+    with pytest.raises(ValueError, match="1-D mesh"):
+        dt.replicate(model, mesh=mesh2d)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        dt.replicate(model, mesh=mesh1d, bucket_bytes=-1)
+    with pytest.raises(TypeError, match="DeviceMesh"):
+        dt.replicate(model, mesh="dp")  # type: ignore[arg-type]
+    model.a.weight = nn.Parameter(model.a.weight.redistribute(placements=[S0]))
+    with pytest.raises(dt.PlacementError, match=r"a\.weight"):
+        dt.replicate(model, mesh=mesh1d)
+    assert "_replicate_state" not in model.__dict__
+    model.a.weight = nn.Parameter(model.a.weight.redistribute(placements=[R]))
+    dt.replicate(model, mesh=mesh1d)
+    with pytest.raises(ValueError, match="already applied"):
+        dt.replicate(model, mesh=mesh1d)
+
+
+@pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
+def test_a_second_backward_adds_to_reduced_gradients(mesh1d: dt.DeviceMesh, bucket: int, check: Checker) -> None:
+    """Without zero_grad, a backward adds to the Replicate gradients of the previous one, as
+    the blocking form (reduce_gradients after each backward) does."""
+    grads = []
+    for use in (None, bucket):
+        dt.manual_seed(0)
+        model = Tower(SIZE + 1, mesh1d)
+        if use is not None:
+            dt.replicate(model, mesh=mesh1d, bucket_bytes=use)
+        for k in range(2):
+            x, y = _data(mesh1d, seed=k)
+            F.mse_loss(model(x), y).backward()
+            if use is None:
+                nn.utils.reduce_gradients(list(model.parameters()))
+        grads.append({n: np.array(p.grad.to_torch()) for n, p in model.named_parameters()})
+    for n in grads[0]:
+        check.equal(grads[1][n], grads[0][n], f"{n} grad after two backwards")
+    check.done()
+
+
+def test_every_rank_makes_the_same_mpi_calls(check: Checker) -> None:
+    """The MPI-call trace (tests/test_mpi_trace.py's tracing communicators): two replicate
+    steps with several buckets make the same calls, in the same order, with matching counts on
+    every rank."""
+    from test_mpi_trace import TracingComm, _compare_groups
+
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    mesh._groups = [TracingComm(g) for g in mesh._groups]  # type: ignore[misc]
+    try:
+        dt.manual_seed(0)
+        model = dt.replicate(Tower(SIZE + 1, mesh), mesh=mesh, bucket_bytes=200)
+        calls = 0
+        for step in range(2):
+            x, y = _data(mesh, seed=step)
+            F.mse_loss(model(x), y).backward()
+            calls += sum(len(g.calls) for g in mesh._groups)  # type: ignore[attr-defined]
+            _compare_groups(mesh, f"replicate step {step}", check)
+        check.true(SIZE == 1 or calls >= 2 * len(model.__dict__["_replicate_state"].layout()),
+                   f"the tracing layer saw {calls} calls")
+    finally:
+        mesh._groups = [g._comm for g in mesh._groups]  # type: ignore[attr-defined]
+        mesh.free()
+    check.done()
+
+
+def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """A hook raises (on every rank) after some buckets started: their all-reduces complete at
+    the next backward, which reduces its own gradients exactly as the blocking form does."""
+    dt.manual_seed(0)
+    plain = Tower(SIZE + 1, mesh1d)
+    x, y = _data(mesh1d)
+    F.mse_loss(plain(x), y).backward()
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = {n: np.array(p.grad.to_torch()) for n, p in plain.named_parameters()}
+    dt.manual_seed(0)
+    model = dt.replicate(Tower(SIZE + 1, mesh1d), mesh=mesh1d, bucket_bytes=0)
+    state = model.__dict__["_replicate_state"]
+    F.mse_loss(model(x), y).backward()  # fixes the layout
+
+    def fail(grad: dt.DTensor) -> None:
+        raise ValueError("hook failed")
+
+    for p in model.parameters():
+        p.grad = None
+    h = model.a(x)
+    handle = h.register_hook(fail)  # a's backward runs last: b's and c's buckets have started
+    with pytest.raises(ValueError, match="hook failed"):
+        F.mse_loss(model.c(F.gelu(model.b(F.gelu(h, "tanh")), "tanh")), y).backward()
+    handle.remove()
+    check.true(state.next > 0, f"{state.next} buckets had started before the failure")
+    for p in model.parameters():
+        p.grad = None
+    F.mse_loss(model(x), y).backward()
+    for n, p in model.named_parameters():
+        check.true(p.grad is not None and p.grad.placements == (R,), f"{n}: grad placed")
+        check.equal(np.array(p.grad.to_torch()), want[n], f"{n} grad after a failed backward")
+    check.done()
