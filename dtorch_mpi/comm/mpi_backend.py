@@ -128,6 +128,7 @@ _CALLS: dict[str, Callable[[Any, Any, dict[str, Any], str], tuple[str, bool]]] =
     "reduce_scatter": _reduce_scatter_call,
     "broadcast": lambda send, out, facts, path: ("Bcast", False),
     "scatter": lambda send, out, facts, path: ("Scatter", True) if path == "padded" else ("Scatterv", False),
+    "exchange": lambda send, out, facts, path: ("Alltoallv", False),
 }
 
 
@@ -328,6 +329,36 @@ class MPIBackend:
             _what("all_to_all", group.mesh_dim, group.size),
             async_op,
             comm.Ialltoallv, (sspec, rspec),
+            finish, (pack, unpack, send, out),
+        )
+
+    # -- exchange (several mesh dims at once) ---------------------------------------------
+    def exchange(self, group: Group, send: np.ndarray, out: np.ndarray, layout: Any,
+                 async_op: bool = False) -> Work | Done:
+        """Each rank sends the blocks ``layout.sends`` names to their peers and receives the
+        blocks ``layout.recvs`` names (redistribute/traffic.py ``ExchangeLayout``); the own
+        block is one NumPy copy. One ``Alltoallv`` over the mesh communicator, counts and
+        displacements prepared once per layout (``_exchange_plan``)."""
+        plan = _exchange_plan(layout, group.size)
+        send = _contiguous(send)
+        etype = element_type(out.dtype.itemsize)
+        if plan.own is not None:
+            out[plan.own[1]] = send[plan.own[0]]
+        pack = _empty(out, plan.pack_len, out.dtype)
+        unpack = _empty(out, plan.unpack_len, out.dtype)
+        for at, stop, where in plan.packs:
+            pack[at:stop] = send[where].reshape(-1)
+        unpacks = plan.unpacks
+
+        def finish() -> np.ndarray:
+            for at, stop, shape, where in unpacks:
+                out[where] = unpack[at:stop].reshape(shape)
+            return out
+
+        return self._run(
+            _what("exchange", None, group.size),
+            async_op,
+            group.comm.Ialltoallv, ([pack, plan.send_spec, etype], [unpack, plan.recv_spec, etype]),
             finish, (pack, unpack, send, out),
         )
 
@@ -567,6 +598,49 @@ def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ..
         send_vector=send_vector,
         recv_vector=recv_vector,
     )
+
+
+class _ExchangePlan(NamedTuple):
+    """An exchange layout as buffers and ``Alltoallv`` specs (made once per layout)."""
+
+    own: tuple[tuple[slice, ...], tuple[slice, ...]] | None
+    pack_len: int
+    unpack_len: int
+    packs: tuple[tuple[int, int, tuple[slice, ...]], ...]  # (at, stop, send index)
+    unpacks: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, stop, shape, out index)
+    send_spec: tuple[list[int], list[int]]
+    recv_spec: tuple[list[int], list[int]]
+
+
+_EXCHANGE_PLANS: "OrderedDict[int, tuple[Any, _ExchangePlan]]" = OrderedDict()
+
+
+def _exchange_plan(layout: Any, m: int) -> _ExchangePlan:
+    """The buffers and specs of ``layout`` (an ``ExchangeLayout``), cached by the layout object
+    (the planner's cache hands out one object per exchange; the entry keeps it alive)."""
+    hit = _EXCHANGE_PLANS.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+
+    def blocks(entries: Any) -> tuple[list[int], list[int], list[tuple[int, int, tuple[int, ...], tuple[slice, ...]]]]:
+        counts, displs, table, at = [0] * m, [0] * m, [], 0
+        for peer, ranges in entries:
+            shape = tuple(b - a for a, b in ranges)
+            n = prod(shape)
+            counts[peer], displs[peer] = n, at
+            table.append((at, at + n, shape, tuple(slice(a, b) for a, b in ranges)))
+            at += n
+        return counts, displs, table
+
+    scounts, sdispls, packs = blocks(layout.sends)
+    rcounts, rdispls, unpacks = blocks(layout.recvs)
+    own = None if layout.own is None else tuple(tuple(slice(a, b) for a, b in r) for r in layout.own)
+    plan = _ExchangePlan(own, sum(scounts), sum(rcounts), tuple((a, b, w) for a, b, _, w in packs), tuple(unpacks),
+                         (scounts, sdispls), (rcounts, rdispls))
+    _EXCHANGE_PLANS[id(layout)] = (layout, plan)
+    if len(_EXCHANGE_PLANS) > 256:
+        _EXCHANGE_PLANS.popitem(last=False)
+    return plan
 
 
 def _global_block(

@@ -188,3 +188,17 @@ class Prologued:
                          send.nbytes - out.nbytes if root_here and send is not None else 0,
                          0 if root_here else out.nbytes, async_op)
         return self._finish(self.inner.scatter(group, send, out, axis, sizes, root, async_op), async_op)
+
+    def exchange(self, group: Group, send: Any, out: Any, layout: Any, async_op: bool = False) -> Handle:
+        """Several mesh dims at once over the mesh communicator (redistribute's ``EXCHANGE``;
+        ``layout``: traffic.ExchangeLayout). The caller never makes one for an empty tensor."""
+        if group.size == 1:
+            return _alone(send, out)
+        facts = {"blocks": (len(layout.sends), len(layout.recvs))} if counter._active or spmd_debug() else _NO_FACTS
+        self._enter(group, "exchange", None, send, out, _NO_FACTS, False)
+        if counter._active:
+            item = out.dtype.itemsize
+            self._record(group, "exchange", send, out, facts,
+                         item * sum(prod(b - a for a, b in r) for _, r in layout.sends),
+                         item * sum(prod(b - a for a, b in r) for _, r in layout.recvs), async_op)
+        return self._finish(self.inner.exchange(group, send, out, layout, async_op), async_op)  # type: ignore[attr-defined]
