@@ -81,12 +81,13 @@ def exchange_layout(shape: Shape, mesh_shape: Shape, src: tuple[Placement, ...],
 
 
 def received(shape: Shape, mesh_shape: Shape, src: tuple[Placement, ...], dst: tuple[Placement, ...],
-             coord: Shape) -> tuple[int, int]:
+             coord: Shape, per_dim: bool = False) -> tuple[int, int]:
     """``(elements rank coord receives, the largest piece a communicating step or the result
-    leaves it)`` for the plan the executor runs (all-reduce and reduce-scatter counted as the
-    piece they reduce into, the payload a ring algorithm moves at least)."""
+    leaves it)`` for the plan the executor runs, or with ``per_dim`` the per-dim plan alone
+    (all-reduce and reduce-scatter counted as the piece they reduce into, the payload a ring
+    algorithm moves at least)."""
     target = local_shape_and_offset(shape, mesh_shape, dst, coord)
-    if exchanges_directly(src, dst):
+    if not per_dim and len(mesh_shape) > 1 and prod(shape) > 0 and exchanges_directly(src, dst):
         return prod(target[0]) - overlap(target, local_shape_and_offset(shape, mesh_shape, src, coord)), \
             prod(target[0])
     cur, moved, peak = src, 0, prod(target[0])
