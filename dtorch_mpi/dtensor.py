@@ -582,7 +582,8 @@ def _from_local_checked(
                 )
             row[_FL_GIVEN : _FL_GIVEN + len(given)] = given
         for d, n in enumerate(xp_local.shape):  # counted once per slice of the tensor along d
-            if all(c == 0 for k, c in enumerate(coord) if not (isinstance(plc[k], Shard) and plc[k].dim == d)):
+            sharding = {k for k, p in enumerate(plc) if isinstance(p, Shard) and p.dim == d}
+            if all(c == 0 for k, c in enumerate(coord) if k not in sharding):
                 extent[d] = n
     except Exception as exc:
         problem = exc

@@ -553,7 +553,7 @@ def _destination_runs(sizes: tuple[int, ...], per_row: int, width: int | None) -
 
 
 @by_identity(maxsize=256)
-def _size_facts(sizes: tuple[int, ...]) -> tuple[bool, int]:
+def _size_facts(sizes: Sequence[int]) -> tuple[bool, int]:
     """``(whether the blocks are unequal, the largest)``, once per size list."""
     return len(set(sizes)) > 1, max(sizes)
 
@@ -575,14 +575,14 @@ def _gather_layout(path: str, out_shape: tuple[int, ...], axis: int, sizes: tupl
 
 
 @by_identity(maxsize=256)
-def _gather_v_spec(sizes: tuple[int, ...], inner: int) -> tuple[list[int], list[int]]:
+def _gather_v_spec(sizes: Sequence[int], inner: int) -> tuple[list[int], list[int]]:
     """An ``Allgatherv``'s receive counts and displacements (elements)."""
     counts = [n * inner for n in sizes]
     return counts, offsets(counts)
 
 
 @by_identity(maxsize=256)
-def _padded_rows(sizes: tuple[int, ...], width: int) -> np.ndarray:
+def _padded_rows(sizes: Sequence[int], width: int) -> np.ndarray:
     """The rows of a gather padded to ``width`` rows per rank that hold data, in order."""
     starts = np.repeat(np.arange(len(sizes)) * width, sizes)
     within = np.arange(sum(sizes)) - np.repeat(np.asarray(offsets(sizes), dtype=np.int64), sizes)
@@ -774,7 +774,8 @@ def _exchange_plan(layout: Any, m: int) -> _ExchangePlan:
 
     scounts, sdispls, packs = blocks(layout.sends)
     rcounts, rdispls, unpacks = blocks(layout.recvs)
-    own = None if layout.own is None else tuple(tuple(slice(a, b) for a, b in r) for r in layout.own)
+    own = None if layout.own is None else (tuple(slice(a, b) for a, b in layout.own[0]),
+                                           tuple(slice(a, b) for a, b in layout.own[1]))
     plan = _ExchangePlan(own, sum(scounts), sum(rcounts), tuple((a, b, w) for a, b, _, w in packs), tuple(unpacks),
                          (scounts, sdispls), (rcounts, rdispls))
     _EXCHANGE_PLANS[id(layout)] = (layout, plan)

@@ -149,9 +149,9 @@ def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compile
     if _exchanges(spec, target):
         layout = exchange_layout(spec.shape, mesh.shape, placements, target, coord)
         out_shape = out_spec.local_shape
-        step = CompiledStep(StepKind.EXCHANGE, Group(mesh.get_comm(), None), (layout,), out_shape,
+        only = CompiledStep(StepKind.EXCHANGE, Group(mesh.get_comm(), None), (layout,), out_shape,
                             _collective(StepKind.EXCHANGE), pool.allocator(xp, out_shape, spec.dtype))
-        return CompiledPlan(out_spec, (step,), xp)
+        return CompiledPlan(out_spec, (only,), xp)
     compiled = []
     for step in plan_redistribute(placements, target):
         k, m, me = step.mesh_dim, mesh.shape[step.mesh_dim], coord[step.mesh_dim]
