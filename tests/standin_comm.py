@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
+
 
 class DoneRequest:
     """A request that has already completed."""
@@ -26,11 +28,21 @@ _METHODS = ("Iallgather", "Iallgatherv", "Ialltoall", "Ialltoallv", "Ialltoallw"
 
 
 class StandInComm:
-    """``Get_size() == size``; every ``I`` collective returns a completed request at once."""
+    """``Get_size() == size``; every ``I`` collective returns a completed request at once.
+    ``mirror=True``: as if every rank held this rank's values, an ``Iallreduce`` of MIN/MAX
+    writes the send buffer into the receive buffer (``sizes`` records each call's elements)."""
 
-    def __init__(self, size: int, rank: int = 0) -> None:
-        self.size, self.rank = size, rank
+    def __init__(self, size: int, rank: int = 0, mirror: bool = False) -> None:
+        self.size, self.rank, self.mirror = size, rank, mirror
         self.calls: Counter[str] = Counter()
+        self.sizes: list[tuple[str, int]] = []
+
+    def Iallreduce(self, send: Any, recv: Any, op: Any = None) -> DoneRequest:
+        self.calls["Iallreduce"] += 1
+        self.sizes.append(("Iallreduce", int(np.asarray(send).size)))
+        if self.mirror:
+            np.copyto(recv, send)
+        return _DONE
 
     def Get_size(self) -> int:
         return self.size

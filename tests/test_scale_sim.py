@@ -114,3 +114,42 @@ def test_cost_model_matches_the_plan_on_a_3d_mesh() -> None:
     cost = redistribute_cost(spec, (S1, S1, S1))
     assert cost.moved == received((4096, 4096), (8, 16, 8), (S0, S0, S0), (S1, S1, S1), (0, 0, 0))[0] * 4
     assert cost.resident == 64 * 1024
+
+
+class _FakeMesh:
+    """A 1-D mesh of ``p`` simulated ranks seen from coordinate 0 (a stand-in communicator)."""
+
+    device_type = "cpu"
+    ndim = 1
+    identity = (0,)
+
+    def __init__(self, p: int) -> None:
+        from standin_comm import StandInComm
+
+        self.shape = (p,)
+        self.comm = StandInComm(p, mirror=True)
+
+    def get_coordinate(self) -> tuple[int, ...]:
+        return (0,)
+
+    def get_comm(self) -> object:
+        return self.comm
+
+    def _check_alive(self) -> None:
+        return None
+
+
+def test_from_local_metadata_does_not_grow_with_the_ranks() -> None:
+    """from_local's checked path (issue 27 item 7) at 64 and 16,384 simulated ranks: the same
+    fixed-size reductions and no gather of a ranks-long table (was ranks x 69 int64: 9 MB at
+    16,384; scripts/bench_scale_sim.py times it)."""
+    from dtorch_mpi.dtensor import _from_local_checked
+
+    seen = {}
+    for p in (64, 16384):
+        mesh = _FakeMesh(p)
+        x = _from_local_checked(np.zeros((2, 3)), mesh, [S0], (2 * p, 3))  # type: ignore[arg-type]
+        assert x.shape == (2 * p, 3)
+        assert set(mesh.comm.calls) == {"Iallreduce"}
+        seen[p] = mesh.comm.sizes
+    assert seen[64] == seen[16384] and sum(n for _, n in seen[64]) < 100
