@@ -39,7 +39,8 @@ class StandInComm:
 
     def Iallreduce(self, send: Any, recv: Any, op: Any = None) -> DoneRequest:
         self.calls["Iallreduce"] += 1
-        self.sizes.append(("Iallreduce", int(np.asarray(send).size)))
+        buffer = send[0] if isinstance(send, list) else send  # mpi4py's [buffer, datatype] form
+        self.sizes.append(("Iallreduce", int(buffer.size)))
         if self.mirror:
             np.copyto(recv, send)
         return _DONE
