@@ -13,6 +13,7 @@ from mpi4py import MPI
 from . import random as _random
 from .comm import Group, backend_for
 from .comm.config import spmd_debug
+from .comm.deadline import wait_request
 from .comm.layout import with_dim
 from .dtensor import DTensor, checked_shape, debug_check_mesh, make_spec, mesh_name
 from .dtypes import check_dtype, dtype_code, dtype_from_code, identity_value, to_native
@@ -22,7 +23,7 @@ from .placement import Partial, Placement, Replicate, Shard, normalize_placement
 from .redistribute import array_namespace
 from .spec import DTensorSpec
 from .split import local_shape_and_offset, split_sizes
-from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns
+from .spmd import MAX_NDIM, agree, fingerprint, raise_divergence, require_same
 
 DEFAULT_DTYPE = np.dtype("float32")
 
@@ -243,7 +244,7 @@ def distribute_tensor(
     world rank for ``init_device_mesh``) holding the array; other ranks may pass ``None`` or
     an array of the same shape, which is ignored. The source sends each rank its piece as a
     buffer. ``None``: every rank holds the array and slices locally (no data moves). The pieces
-    never alias ``array``. One small all-gather first agrees ``src_data_rank``, the mesh, the
+    never alias ``array``. One small all-reduce (O(1) integers per rank) first agrees ``src_data_rank``, the mesh, the
     placements and the array's shape and dtype across the mesh: a difference raises on every
     rank (``SPMDDivergenceError``, ``ShapeMismatchError``). A rank outside the mesh makes an
     empty piece from ``array``'s shape and dtype without communicating. ``requires_grad=True``
@@ -264,14 +265,21 @@ def _distribute(array: Any, device_mesh: DeviceMesh, placements: Sequence[Placem
     comm = mesh.get_comm()
     size, me = comm.Get_size(), comm.Get_rank()
 
-    def fill(row: np.ndarray) -> None:
-        nonlocal array
-        row[_DT_SOURCE] = _NO_SOURCE if src_data_rank is None else operator.index(src_data_rank)
-        row[_DT_MESH] = fingerprint(mesh_name(mesh))
-        row[_DT_PLACEMENTS] = fingerprint(tuple(placements))
+    # one Allreduce (MIN) of [-status, fields, -fields]: the least and greatest of each field
+    # over the mesh, O(1) integers per rank whatever the mesh size (issue 27 item 7). The
+    # array's fields come from its holders alone: a rank without the array adds the largest
+    # int64 to both halves, which changes no minimum.
+    agreed = np.zeros(_DT_NDIM, dtype=np.int64)
+    held = np.full(1 + 1 + MAX_NDIM, np.iinfo(np.int64).max, dtype=np.int64)  # ndim, dtype, shape
+    problem: Exception | None = None
+    holds = src_data_rank is None or me == src_data_rank
+    try:
+        agreed[_DT_SOURCE] = _NO_SOURCE if src_data_rank is None else operator.index(src_data_rank)
+        agreed[_DT_MESH] = fingerprint(mesh_name(mesh))
+        agreed[_DT_PLACEMENTS] = fingerprint(tuple(placements))
         if src_data_rank is not None and not 0 <= src_data_rank < size:
             raise ValueError(f"src_data_rank={src_data_rank} is not a rank of a mesh of {size} ranks")
-        if src_data_rank is None or me == src_data_rank:
+        if holds:
             if not hasattr(array, "shape") or not hasattr(array, "dtype"):
                 raise TypeError(f"distribute_tensor needs an array, got {type(array).__name__}")
             array = to_native(array)
@@ -280,25 +288,33 @@ def _distribute(array: Any, device_mesh: DeviceMesh, placements: Sequence[Placem
             if array.ndim > MAX_NDIM:
                 raise ShapeMismatchError(f"arrays of more than {MAX_NDIM} dims are not supported")
             normalize_placements(placements, mesh.ndim, array.ndim)
-            row[_DT_NDIM], row[_DT_DTYPE] = array.ndim, dtype_code(array.dtype)
-            row[_DT_SHAPE : _DT_SHAPE + array.ndim] = checked_shape(array.shape)
-
-    table = gather_records(comm, fill, _DT_SHAPE + MAX_NDIM)
-    require_same_columns(comm, table, {_DT_SOURCE: ("src_data_rank", src_data_rank),
-                                       _DT_MESH: ("mesh", mesh_name(mesh))}, what="distribute_tensor")
-    holders = table if src_data_rank is None else table[src_data_rank : src_data_rank + 1]
-    metas = {tuple(row[_DT_NDIM:].tolist()) for row in holders}
-    if len(metas) != 1:
-        raise ShapeMismatchError(
-            "distribute_tensor(src_data_rank=None) needs the same array shape and dtype on every "
-            "rank; ranks disagree: " + ", ".join(
-                f"rank {r}: {tuple(int(v) for v in row[_DT_SHAPE : _DT_SHAPE + row[_DT_NDIM]])} "
-                f"{dtype_from_code(int(row[_DT_DTYPE]))}" for r, row in enumerate(table))
-        )
-    ndim, code = int(holders[0, _DT_NDIM]), int(holders[0, _DT_DTYPE])
-    shape = tuple(int(s) for s in holders[0, _DT_SHAPE : _DT_SHAPE + ndim])
+            held[:] = -1
+            held[0], held[1] = array.ndim, dtype_code(array.dtype)
+            held[2 : 2 + array.ndim] = checked_shape(array.shape)
+    except Exception as exc:
+        problem = exc
+    mine = np.concatenate([[0 if problem is None else -1], agreed, -agreed, held,
+                           held if not holds else -held]).astype(np.int64)
+    low = np.empty_like(mine)
+    wait_request(comm.Iallreduce(mine, low, op=MPI.MIN), "distribute_tensor's metadata check (Allreduce)")
+    if low[0] != 0:
+        agree(comm, problem)
+    n = _DT_NDIM
+    lo, hi = low[1 : 1 + n], -low[1 + n : 1 + 2 * n]
+    differ = {name: value for col, (name, value) in {_DT_SOURCE: ("src_data_rank", src_data_rank),
+                                                      _DT_MESH: ("mesh", mesh_name(mesh))}.items()
+              if lo[col] != hi[col]}
+    if differ:
+        raise_divergence(comm, differ, "distribute_tensor")
+    held_lo, held_hi = low[1 + 2 * n : 1 + 2 * n + held.size], -low[1 + 2 * n + held.size :]
+    if (held_lo != held_hi).any():  # (only possible with src_data_rank=None: every rank holds one)
+        raise_divergence(comm, {"array": f"{tuple(array.shape)} {array.dtype}"},
+                         "distribute_tensor(src_data_rank=None) needs the same array shape and dtype on every rank",
+                         ShapeMismatchError)
+    ndim, code = int(held_lo[0]), int(held_lo[1])
+    shape = tuple(int(v) for v in held_lo[2 : 2 + ndim])
     dt = dtype_from_code(code)
-    if len(set(table[:, _DT_PLACEMENTS].tolist())) == 1:  # the same arguments everywhere
+    if lo[_DT_PLACEMENTS] == hi[_DT_PLACEMENTS]:  # the same arguments everywhere
         plc = normalize_placements(placements, mesh.ndim, ndim)
     else:  # perhaps the same placements spelled differently (Shard(-1), Shard(1)): compare them
         plc, problem = (), None

@@ -26,6 +26,17 @@ from .errors import ERROR_TYPES, DTensorError, SPMDDivergenceError
 MAX_NDIM = 32
 """The most tensor dims a metadata record carries (from_local, distribute_tensor)."""
 
+SHOWN = 4
+"""The most ranks an agreed error names one by one (the rest are counted: issue 27 item 7)."""
+
+
+def _some_ranks(ranks: list[int]) -> str:
+    """``rank 3`` / ``ranks 0, 1, 2, 3 and 12 more`` (a few named, the rest counted)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    named = ", ".join(map(str, ranks[:SHOWN]))
+    return f"ranks {named}" + (f" and {len(ranks) - SHOWN} more" if len(ranks) > SHOWN else "")
+
 
 def _allgather_bytes(comm: MPI.Intracomm, payload: bytes) -> list[bytes]:
     lengths = np.zeros(comm.Get_size(), dtype=np.int64)
@@ -65,9 +76,11 @@ def agree(comm: MPI.Intracomm | None, error: BaseException | None) -> None:
     messages = {msg for _, msg in kinds}
     ranks = [rank for rank, _ in failures]
     if len(messages) == 1:
-        text = f"{kinds[0][1]} [on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}]"
+        text = f"{kinds[0][1]} [on {_some_ranks(ranks)}]"
     else:
-        text = "; ".join(f"rank {rank}: {msg}" for rank, (_, msg) in zip(ranks, kinds))
+        text = "; ".join(f"rank {rank}: {msg}" for rank, (_, msg) in zip(ranks[:SHOWN], kinds))
+        if len(ranks) > SHOWN:
+            text += f"; and {len(ranks) - SHOWN} more of the {len(ranks)} failing ranks"
     if error is not None and type(error) is cls and str(error) == text:
         raise error
     raise cls(text) from error
@@ -96,11 +109,19 @@ def raise_divergence(comm: MPI.Intracomm, values: Mapping[str, object], what: st
     their texts (a string as it is, anything else as its repr; each cut at 200 characters),
     then ``error`` naming each rank's value."""
     mine = "\0".join((v if isinstance(v, str) else repr(v))[:200] for v in values.values())
-    reports = [r.decode("utf-8", "replace").split("\0") for r in _allgather_bytes(comm, mine.encode())]
-    parts = [
-        f"{name}: " + "; ".join(f"rank {r}: {rep[i]}" for r, rep in enumerate(reports))
-        for i, name in enumerate(values)
-    ]
+    code = np.array([fingerprint(mine)], dtype=np.int64)  # O(1) per rank: which ranks hold which values
+    codes = np.empty(comm.Get_size(), dtype=np.int64)
+    wait_request(comm.Iallgather(code, codes), "the library's divergence report (Allgather)")
+    distinct, first = np.unique(codes, return_index=True)
+    shown = sorted(first.tolist())[:SHOWN]  # the first rank holding each of a few distinct values
+    speaks = comm.Get_rank() in shown
+    reports = _allgather_bytes(comm, mine.encode() if speaks else b"")
+    texts = {r: reports[r].decode("utf-8", "replace").split("\0") for r in shown}
+    more = "" if len(codes) == len(shown) else \
+        f" (the other {len(codes) - len(shown)} of {len(codes)} ranks each hold " + \
+        ("one of these" if len(distinct) <= SHOWN else f"one of {len(distinct)} distinct values") + ")"
+    parts = [f"{name}: " + "; ".join(f"rank {r}: {texts[r][i]}" for r in shown) + more
+             for i, name in enumerate(values)]
     raise error(
         f"{what}: ranks disagree on " + " | ".join(parts)
         + ". Every rank must make the same call with the same arguments"

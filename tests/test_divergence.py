@@ -158,3 +158,19 @@ def test_divergences_without_a_meeting_check_end_at_the_deadline() -> None:
     for rank in range(3):
         assert f"rank {rank} raised CollectiveTimeoutError" in out, out
         assert f"rank {rank} raised SPMDDivergenceError" in out, out
+
+
+@pytest.mark.skipif(SIZE != 4, reason="a 2 x 2 mesh")
+def test_mismatched_nested_shard_exchanges_raise_by_default(mesh2d: dt.DeviceMesh) -> None:
+    """Two whole-mesh exchanges (nested-shard redistributes: one Alltoallv on the mesh
+    communicator, block counts differing per rank by design) to different targets: the check
+    fingerprints what every rank shares (the global shape and both placements)."""
+    from dtorch_mpi.redistribute.planner import exchanges_directly
+
+    src = (S0, S0)
+    targets = [t for t in [(S1, S1), (S1, S0), (S0, S1), (R, S1), (S1, R)] if exchanges_directly(src, t)]
+    assert len(targets) >= 2, targets
+    x = dt.distribute_tensor(np.ones(BIG), mesh2d, list(src))
+    _diverges(lambda: x.redistribute(placements=list(targets[0] if RANK == 0 else targets[1])), "exchange")
+    y = x.redistribute(placements=list(targets[0]))  # nothing moved before the check
+    np.testing.assert_array_equal(y.to_torch(), np.ones(BIG))

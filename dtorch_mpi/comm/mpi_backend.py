@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 from math import prod
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -35,6 +35,42 @@ def free_cached_types() -> None:
     still using it, and the next call makes it again)."""
     while _TYPE_CACHE:
         _TYPE_CACHE.popitem()[1].Free()
+    while _W_TYPES:
+        for t in _W_TYPES.popitem()[1][1]:
+            t.Free()
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def by_identity(maxsize: int) -> Callable[[F], F]:
+    """Cache a pure layout function on its arguments, a long tuple argument (over 16 items) by
+    *identity*: hashing a tuple of every rank's sizes costs O(ranks) per call (tuples do not keep their hash), and the
+    sizes a compiled plan passes are one object on every call (``split_sizes`` is cached). An
+    entry keeps its arguments alive, so an id in a key is never reused while the entry lives;
+    another tuple of equal sizes is a miss that computes the same layout again."""
+    def wrap(fn: F) -> F:
+        cache: "OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Any]]" = OrderedDict()
+
+        def cached(*args: Any) -> Any:
+            if list in map(type, args):  # a caller's list of sizes: by value
+                args = tuple(tuple(a) if type(a) is list else a for a in args)
+            key = tuple([(id(a),) if type(a) is tuple and len(a) > 16 else a for a in args])
+            hit = cache.get(key)
+            if hit is not None:
+                return hit[1]
+            value = fn(*args)
+            cache[key] = (args, value)
+            if len(cache) > maxsize:
+                cache.popitem(last=False)
+            return value
+
+        cached.cache_clear = cache.clear  # type: ignore[attr-defined]
+        cached.__wrapped__ = fn  # type: ignore[attr-defined]
+        cached.__doc__ = fn.__doc__
+        return cached  # type: ignore[return-value]
+
+    return wrap
 
 
 def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> MPI.Datatype:
@@ -128,6 +164,7 @@ _CALLS: dict[str, Callable[[Any, Any, dict[str, Any], str], tuple[str, bool]]] =
     "reduce_scatter": _reduce_scatter_call,
     "broadcast": lambda send, out, facts, path: ("Bcast", False),
     "scatter": lambda send, out, facts, path: ("Scatter", True) if path == "padded" else ("Scatterv", False),
+    "exchange": lambda send, out, facts, path: ("Alltoallv", False),
 }
 
 
@@ -180,7 +217,8 @@ class MPIBackend:
         """Concatenate every rank's ``send`` (``sizes[i]`` long on ``axis``) into ``out``."""
         m = group.size
         item = out.dtype.itemsize
-        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, tuple(sizes), item)
+        sizes = tuple(sizes)  # (the same object when a tuple: the layout caches key long ones by identity)
+        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, sizes, item)
         send = _contiguous(send)
         etype = element_type(item)
         comm = group.comm
@@ -195,7 +233,7 @@ class MPIBackend:
         if route is _GATHER_PADDED_COMPACT:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
         if route is _GATHER_PADDED_STRIDED:
-            mx = max(sizes)
+            mx = _size_facts(sizes)[1]
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
             pad_out = _empty(out, with_dim(out.shape, axis, m * mx), out.dtype)
@@ -203,11 +241,10 @@ class MPIBackend:
             rtype = etype if outer == 1 else _strided_block_type(item, outer, mx * inner, m * mx * inner)
             rcount = count if outer == 1 else 1
 
-            def finish() -> np.ndarray:
-                src = pad_out.reshape(outer, m * mx, inner)
-                dst = out.reshape(outer, length, inner)
-                for i, (n, o) in enumerate(zip(sizes, offs)):
-                    dst[:, o : o + n, :] = src[:, i * mx : i * mx + n, :]
+            keep = _padded_rows(sizes, mx)
+
+            def finish() -> np.ndarray:  # one gather of the kept rows (no loop over ranks)
+                out.reshape(outer, length, inner)[...] = pad_out.reshape(outer, m * mx, inner)[:, keep, :]
                 return out
 
             return self._run(
@@ -217,9 +254,7 @@ class MPIBackend:
                 finish, (pad_send, pad_out, out),
             )
         if route is _GATHER_V:
-            counts = [n * inner for n in sizes]
-            displs = [o * inner for o in offs]
-            spec = [out, (counts, displs), etype]
+            spec = [out, _gather_v_spec(sizes, inner), etype]
             return self._run(
                 _what("all_gather", group.mesh_dim, group.size),
                 async_op,
@@ -231,13 +266,9 @@ class MPIBackend:
         # ranks; with the own block in the Alltoallw too: 1.4-1.65x)
         me = group.rank
         out.reshape(outer, length, inner)[:, offs[me] : offs[me] + sizes[me], :] = send.reshape(outer, -1, inner)
-        strided = outer > 1
-        rtypes = [_strided_block_type(item, outer, n * inner, length * inner) if strided and n and i != me
-                  else etype for i, n in enumerate(sizes)]
-        rcounts = [0 if i == me else 1 if strided and n else n * inner for i, n in enumerate(sizes)]
-        rdispls = [o * inner * item for o in offs]
-        sspec = [send, ([0 if i == me else send.size for i in range(m)], [0] * m), [etype] * m]
-        rspec = [out, (rcounts, rdispls), rtypes]
+        sspecs, rspecs, rtypes = _gather_w_specs(item, outer, length, inner, sizes, me, send.size)[0]
+        sspec = [send, *sspecs]
+        rspec = [out, *rspecs]
         return self._run(
             _what("all_gather", group.mesh_dim, group.size),
             async_op,
@@ -254,21 +285,21 @@ class MPIBackend:
         (faster than gathering into a temporary and copying out). The result is a view of that buffer (at most ``m`` rows
         longer than ``out``); ``out`` itself is not used."""
         m = group.size
-        mx = max(sizes) * inner
+        mx = _size_facts(sizes)[1] * inner
         etype = element_type(out.dtype.itemsize)
         buf = _empty(out, m * mx, out.dtype)
         pad_send = _empty(out, mx, out.dtype)
         pad_send[: send.size] = send.reshape(-1)
         comm = group.comm
 
-        def finish() -> np.ndarray:
-            at = 0
-            for i, n in enumerate(sizes):
-                count = n * inner
-                if at != i * mx:
-                    buf[at : at + count] = buf[i * mx : i * mx + count]
-                at += count
-            return buf[:at].reshape(out.shape)
+        keep = _padded_rows(sizes, mx // inner) if inner else None
+
+        def finish() -> np.ndarray:  # the kept rows slid down (one gather, no loop over ranks)
+            if keep is None:
+                return out
+            rows = buf.reshape(-1, inner)
+            rows[: len(keep)] = rows[keep]
+            return rows[: len(keep)].reshape(out.shape)
 
         return self._run(
             _what("all_gather", group.mesh_dim, group.size),
@@ -302,12 +333,15 @@ class MPIBackend:
         # (``send`` and ``out`` are C-contiguous: MPI reads and writes them in place)
         pack = _empty(out, lay.pack_len, out.dtype) if lay.pack_len is not None else send
         unpack = _empty(out, lay.unpack_len, out.dtype) if lay.unpack_len is not None else out
-        for at, count, shape, where in lay.packs:
-            pack[at : at + count].reshape(shape)[...] = send[where]
+        if lay.packs:
+            _copy_runs(lay.packs, pack, send.reshape(lay.send3), True)
 
         def finish() -> np.ndarray:
-            for at, count, shape, where in lay.unpacks:
-                out[where] = unpack[at : at + count].reshape(shape)
+            if lay.unpacks:
+                whole = out if out.flags.c_contiguous else _xp(out).empty(out.shape, out.dtype)
+                _copy_runs(lay.unpacks, unpack, whole.reshape(lay.recv3), False)
+                if whole is not out:
+                    out[...] = whole
             return out
 
         if lay.route is _A2A_PADDED or lay.route is _A2A_EQUAL:
@@ -328,6 +362,36 @@ class MPIBackend:
             _what("all_to_all", group.mesh_dim, group.size),
             async_op,
             comm.Ialltoallv, (sspec, rspec),
+            finish, (pack, unpack, send, out),
+        )
+
+    # -- exchange (several mesh dims at once) ---------------------------------------------
+    def exchange(self, group: Group, send: np.ndarray, out: np.ndarray, layout: Any,
+                 async_op: bool = False) -> Work | Done:
+        """Each rank sends the blocks ``layout.sends`` names to their peers and receives the
+        blocks ``layout.recvs`` names (redistribute/traffic.py ``ExchangeLayout``); the own
+        block is one NumPy copy. One ``Alltoallv`` over the mesh communicator, counts and
+        displacements prepared once per layout (``_exchange_plan``)."""
+        plan = _exchange_plan(layout, group.size)
+        send = _contiguous(send)
+        etype = element_type(out.dtype.itemsize)
+        if plan.own is not None:
+            out[plan.own[1]] = send[plan.own[0]]
+        pack = _empty(out, plan.pack_len, out.dtype)
+        unpack = _empty(out, plan.unpack_len, out.dtype)
+        for at, stop, where in plan.packs:
+            pack[at:stop] = send[where].reshape(-1)
+        unpacks = plan.unpacks
+
+        def finish() -> np.ndarray:
+            for at, stop, shape, where in unpacks:
+                out[where] = unpack[at:stop].reshape(shape)
+            return out
+
+        return self._run(
+            _what("exchange", None, group.size),
+            async_op,
+            group.comm.Ialltoallv, ([pack, plan.send_spec, etype], [unpack, plan.recv_spec, etype]),
             finish, (pack, unpack, send, out),
         )
 
@@ -374,8 +438,9 @@ class MPIBackend:
         wide = WIDENED.get(out.dtype)
         dtype = wide or out.dtype
         mtype, op = _reduction(dtype, reduce_op, _xp(out) is np)
-        padded = comm_path() == "padded" and len(set(sizes)) > 1
-        width = max(sizes) if padded else None
+        uneven, largest = _size_facts(sizes)
+        padded = comm_path() == "padded" and uneven
+        width = largest if padded else None
         src3 = _contiguous(send).reshape(outer, length, inner)
         if outer == 1 and not padded:
             pack = _xp(out).ascontiguousarray(send, dtype=dtype).reshape(-1)
@@ -384,7 +449,7 @@ class MPIBackend:
         direct = wide is None and not padded and out.flags.c_contiguous
         dst = out if direct else _empty(out, outer * (width or sizes[me]) * inner, dtype)
         comm = group.comm
-        counts = [outer * n * inner for n in sizes]
+        counts = _gather_v_spec(sizes, outer * inner)[0]
 
         def finish() -> np.ndarray:
             if reduce_op == "avg":
@@ -431,7 +496,7 @@ class MPIBackend:
         item = out.dtype.itemsize
         etype = element_type(item)
         padded = comm_path() == "padded"
-        width = max(sizes)
+        width = _size_facts(sizes)[1]
         if me == root:
             assert send is not None
             outer, length, inner = view3(send.shape, axis)
@@ -454,8 +519,7 @@ class MPIBackend:
             start: Callable[..., MPI.Request] = comm.Iscatter
             args: tuple[Any, ...] = ([pack, count, etype], [recv, count, etype])
         else:
-            counts = [outer * n * inner for n in sizes]
-            sspec = [pack, (counts, offsets(counts)), etype]
+            sspec = [pack, _gather_v_spec(sizes, outer * inner), etype]
             start = comm.Iscatterv
             args = (sspec, [recv, recv.size, etype])
         return self._run(_what("scatter", group.mesh_dim, group.size), async_op, start, args, finish,
@@ -473,14 +537,25 @@ def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dty
     """Copy the ``(outer, length, inner)`` source into one buffer ordered by destination rank:
     rank ``i``'s ``sizes[i]`` rows, each block ``width`` rows long (zero-padded) when given."""
     outer, _, inner = src3.shape
-    blocks = [outer * (width or n) * inner for n in sizes]
+    runs, total = _destination_runs(tuple(sizes), outer * inner, width)
     xp = _xp(src3)
-    pack = xp.zeros(sum(blocks), dtype=dtype) if width else pool.empty(xp, sum(blocks), dtype)
-    start = 0
-    for n, o, b in zip(sizes, offsets(sizes), blocks):
-        pack[start : start + b].reshape(outer, width or n, inner)[:, :n, :] = src3[:, o : o + n, :]
-        start += b
+    pack = xp.zeros(total, dtype=dtype) if width else pool.empty(xp, total, dtype)
+    _copy_runs(runs, pack, src3, True, rows_padded=width is not None)
     return pack
+
+
+@by_identity(maxsize=256)
+def _destination_runs(sizes: tuple[int, ...], per_row: int, width: int | None) -> tuple[Any, int]:
+    """``_pack_by_destination``'s copies as runs of equal blocks (``_runs``) and its length."""
+    slot = None if width is None else width * per_row
+    counts = [(width if width is not None else n) * per_row for n in sizes]
+    return _runs(list(zip(offsets(counts), sizes, offsets(sizes))), per_row, slot), sum(counts)
+
+
+@by_identity(maxsize=256)
+def _size_facts(sizes: Sequence[int]) -> tuple[bool, int]:
+    """``(whether the blocks are unequal, the largest)``, once per size list."""
+    return len(set(sizes)) > 1, max(sizes)
 
 
 @lru_cache(maxsize=256)
@@ -489,7 +564,7 @@ def _reduction(dtype: np.dtype, reduce_op: str, host: bool) -> tuple[MPI.Datatyp
     return reduction_type(dtype), nan_aware_op(dtype, reduce_op, host)
 
 
-@lru_cache(maxsize=1024)
+@by_identity(maxsize=1024)
 def _gather_layout(path: str, out_shape: tuple[int, ...], axis: int, sizes: tuple[int, ...],
                    itemsize: int) -> tuple[int, int, int, Route, list[int]]:
     """An all-gather's ``(outer, length, inner)`` view, route and block offsets: a pure function
@@ -497,6 +572,59 @@ def _gather_layout(path: str, out_shape: tuple[int, ...], axis: int, sizes: tupl
     outer, length, inner = view3(out_shape, axis)
     route = gather_route(path, sizes, outer, prod(out_shape) * itemsize)
     return outer, length, inner, route, offsets(sizes)
+
+
+@by_identity(maxsize=256)
+def _gather_v_spec(sizes: Sequence[int], inner: int) -> tuple[list[int], list[int]]:
+    """An ``Allgatherv``'s receive counts and displacements (elements)."""
+    counts = [n * inner for n in sizes]
+    return counts, offsets(counts)
+
+
+@by_identity(maxsize=256)
+def _padded_rows(sizes: Sequence[int], width: int) -> np.ndarray:
+    """The rows of a gather padded to ``width`` rows per rank that hold data, in order."""
+    starts = np.repeat(np.arange(len(sizes)) * width, sizes)
+    within = np.arange(sum(sizes)) - np.repeat(np.asarray(offsets(sizes), dtype=np.int64), sizes)
+    return starts + within
+
+
+_W_TYPES: "OrderedDict[tuple[Any, ...], tuple[Any, list[MPI.Datatype]]]" = OrderedDict()
+
+
+def _gather_w_specs(item: int, outer: int, length: int, inner: int, sizes: tuple[int, ...], me: int,
+                    send_size: int) -> tuple[Any, list[MPI.Datatype]]:
+    """The ``Alltoallw`` specs of an all-gather along an inner axis, made once per layout:
+    ``((send (counts, displs), types), (recv (counts, displs), types))`` and the datatypes it
+    owns (freed with the entry; MPI keeps one alive for an operation still using it)."""
+    key = (item, outer, length, inner, id(sizes) if len(sizes) > 16 else sizes, me, send_size)
+    hit = _W_TYPES.get(key)
+    if hit is not None:  # (a long ``sizes`` by id: the entry keeps it alive)
+        return hit[0][:3], hit[1]
+    m = len(sizes)
+    etype = element_type(item)
+    strided = outer > 1
+    owned: dict[int, MPI.Datatype] = {}
+
+    def block_type(n: int) -> MPI.Datatype:
+        t = owned.get(n)
+        if t is None:
+            vec = etype.Create_vector(outer, n * inner, length * inner)
+            t = owned[n] = vec.Create_resized(0, n * inner * item)
+            vec.Free()
+            t.Commit()
+        return t
+
+    rtypes = [block_type(n) if strided and n and i != me else etype for i, n in enumerate(sizes)]
+    rcounts = [0 if i == me else 1 if strided and n else n * inner for i, n in enumerate(sizes)]
+    rdispls = [o * inner * item for o in offsets(sizes)]
+    sspec = (([0 if i == me else send_size for i in range(m)], [0] * m), [etype] * m)
+    specs = (sspec, ((rcounts, rdispls), rtypes), rtypes, sizes)
+    _W_TYPES[key] = (specs, list(owned.values()))
+    if len(_W_TYPES) > 64:
+        for t in _W_TYPES.popitem(last=False)[1][1]:
+            t.Free()
+    return specs[:3], list(owned.values())
 
 
 class _A2ALayout(NamedTuple):
@@ -508,15 +636,56 @@ class _A2ALayout(NamedTuple):
     own: tuple[tuple[slice, ...], tuple[slice, ...]] | None  # (send index, out index) of the block kept here
     pack_len: int | None  # elements of the pack buffer, None when ``send`` moves in place
     unpack_len: int | None  # elements of the receive buffer, None when MPI writes into ``out``
-    packs: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, count, shape, send index)
-    unpacks: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, count, shape, out index)
+    packs: tuple[tuple[int, int, int, int, int], ...]  # runs of equal blocks: (at, blocks, length, offset, stride)
+    unpacks: tuple[tuple[int, int, int, int, int], ...]
+    send3: tuple[int, int, int]  # the (rows, axis, inner) views the runs index
+    recv3: tuple[int, int, int]
     send_spec: tuple[list[int], list[int]]  # Alltoallv (counts, displacements)
     recv_spec: tuple[list[int], list[int]]
     send_vector: tuple[int, int, int] | None  # a strided send side read in place: (rows, run, stride)
     recv_vector: tuple[int, int, int] | None  # a strided output written in place
 
 
-@lru_cache(maxsize=1024)
+def _runs(blocks: list[tuple[int, int, int]], per_row: int, slot: int | None) -> tuple[tuple[int, int, int, int, int], ...]:
+    """Consecutive blocks ``(at, length, axis offset)`` of equal length, adjacent on the axis and
+    evenly spaced in the buffer, as runs ``(at, blocks, length, offset, stride)``: the split
+    rule makes at most two lengths, so a pack or unpack is a few NumPy copies, not one per rank
+    (``slot``: the padded path's fixed spacing, else each block's own size)."""
+    runs: list[list[int]] = []
+    for at, n, o in blocks:
+        if n == 0:
+            continue
+        stride = slot if slot is not None else n * per_row
+        last = runs[-1] if runs else None
+        if last is not None and last[2] == n and last[4] == stride and last[3] + last[1] * n == o \
+                and last[0] + last[1] * stride == at:
+            last[1] += 1
+        else:
+            runs.append([at, 1, n, o, stride])
+    return tuple((a, k, n, o, st) for a, k, n, o, st in runs)
+
+
+def _copy_runs(runs: tuple[tuple[int, int, int, int, int], ...], flat: Any, view3: Any, packing: bool,
+               rows_padded: bool = False) -> None:
+    """Copy between ``view3`` (rows, axis, inner) and the by-destination buffer ``flat``: each
+    block contiguous at its slot's start, or with ``rows_padded`` each of its rows padded to
+    the slot's width (``_pack_by_destination``'s layout)."""
+    rows, _, inner = view3.shape
+    if not rows or not inner:
+        return
+    for at, k, n, o, stride in runs:
+        if rows_padded:
+            slots = flat[at : at + k * stride].reshape(k, rows, stride // (rows * inner), inner)[:, :, :n, :]
+        else:
+            slots = flat[at : at + k * stride].reshape(k, stride)[:, : rows * n * inner].reshape(k, rows, n, inner)
+        blocks = view3[:, o : o + k * n, :].reshape(rows, k, n, inner).transpose(1, 0, 2, 3)
+        if packing:
+            slots[...] = blocks
+        else:
+            blocks[...] = slots
+
+
+@by_identity(maxsize=1024)
 def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ...], split_axis: int,
                 split_sizes: tuple[int, ...], concat_axis: int, concat_sizes: tuple[int, ...], itemsize: int,
                 variable_from: int, strided_below: int, m: int, me: int) -> _A2ALayout:
@@ -558,15 +727,61 @@ def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ..
         own=(send_at_axis[me], out_at_axis[me]) if own_local else None,
         pack_len=(m * width if padded else sum(moved_send)) if pack_needed else None,
         unpack_len=(m * width if padded else sum(moved_recv)) if unpack_needed else None,
-        packs=tuple((send_at[j], send_counts[j], send_blocks[j], send_at_axis[j]) for j in keep) if pack_needed
-        else (),
-        unpacks=tuple((recv_at[j], recv_counts[j], recv_blocks[j], out_at_axis[j]) for j in keep)
-        if unpack_needed else (),
+        packs=_runs([(send_at[j], split_sizes[j], s_offs[j]) for j in keep], s_rows * s_inner,
+                    width if padded else None) if pack_needed else (),
+        unpacks=_runs([(recv_at[j], concat_sizes[j], c_offs[j]) for j in keep], r_rows * r_inner,
+                      width if padded else None) if unpack_needed else (),
+        send3=(s_rows, s_len, s_inner),
+        recv3=(r_rows, r_len, r_inner),
         send_spec=(moved_send, send_at),
         recv_spec=(moved_recv, recv_at),
         send_vector=send_vector,
         recv_vector=recv_vector,
     )
+
+
+class _ExchangePlan(NamedTuple):
+    """An exchange layout as buffers and ``Alltoallv`` specs (made once per layout)."""
+
+    own: tuple[tuple[slice, ...], tuple[slice, ...]] | None
+    pack_len: int
+    unpack_len: int
+    packs: tuple[tuple[int, int, tuple[slice, ...]], ...]  # (at, stop, send index)
+    unpacks: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, stop, shape, out index)
+    send_spec: tuple[list[int], list[int]]
+    recv_spec: tuple[list[int], list[int]]
+
+
+_EXCHANGE_PLANS: "OrderedDict[int, tuple[Any, _ExchangePlan]]" = OrderedDict()
+
+
+def _exchange_plan(layout: Any, m: int) -> _ExchangePlan:
+    """The buffers and specs of ``layout`` (an ``ExchangeLayout``), cached by the layout object
+    (the planner's cache hands out one object per exchange; the entry keeps it alive)."""
+    hit = _EXCHANGE_PLANS.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+
+    def blocks(entries: Any) -> tuple[list[int], list[int], list[tuple[int, int, tuple[int, ...], tuple[slice, ...]]]]:
+        counts, displs, table, at = [0] * m, [0] * m, [], 0
+        for peer, ranges in entries:
+            shape = tuple(b - a for a, b in ranges)
+            n = prod(shape)
+            counts[peer], displs[peer] = n, at
+            table.append((at, at + n, shape, tuple(slice(a, b) for a, b in ranges)))
+            at += n
+        return counts, displs, table
+
+    scounts, sdispls, packs = blocks(layout.sends)
+    rcounts, rdispls, unpacks = blocks(layout.recvs)
+    own = None if layout.own is None else (tuple(slice(a, b) for a, b in layout.own[0]),
+                                           tuple(slice(a, b) for a, b in layout.own[1]))
+    plan = _ExchangePlan(own, sum(scounts), sum(rcounts), tuple((a, b, w) for a, b, _, w in packs), tuple(unpacks),
+                         (scounts, sdispls), (rcounts, rdispls))
+    _EXCHANGE_PLANS[id(layout)] = (layout, plan)
+    if len(_EXCHANGE_PLANS) > 256:
+        _EXCHANGE_PLANS.popitem(last=False)
+    return plan
 
 
 def _global_block(

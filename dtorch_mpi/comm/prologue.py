@@ -220,3 +220,23 @@ class Prologued:
                          send.nbytes - out.nbytes if root_here and send is not None else 0,
                          0 if root_here else out.nbytes, async_op)
         return self._finish(self.inner.scatter(group, send, out, axis, sizes, root, async_op), async_op)
+
+    def exchange(self, group: Group, send: Any, out: Any, layout: Any, shared: tuple[Any, ...] = (),
+                 async_op: bool = False) -> Handle:
+        """Several mesh dims at once over the mesh communicator (redistribute's ``EXCHANGE``;
+        ``layout``: traffic.ExchangeLayout, this rank's blocks; ``shared``: what every rank of
+        the call shares, ``(global shape, source placements, target placements)``, which the
+        divergence check fingerprints: the block counts differ per rank by design). The caller
+        never makes one for an empty tensor."""
+        if group.size == 1:
+            return _alone(send, out)
+        shape = tuple(shared[0]) if shared else tuple(out.shape)
+        nbytes = out.itemsize * prod(shape)
+        facts = ({"src": shared[1], "dst": shared[2]} if shared else {}) if _wants_facts(nbytes) else _NO_FACTS
+        self._enter(group, "exchange", lambda: shape, send, out, facts, False, nbytes)
+        if counter._active:
+            item = out.dtype.itemsize
+            self._record(group, "exchange", send, out, facts,
+                         item * sum(prod(b - a for a, b in r) for _, r in layout.sends),
+                         item * sum(prod(b - a for a, b in r) for _, r in layout.recvs), async_op)
+        return self._finish(self.inner.exchange(group, send, out, layout, async_op), async_op)  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from math import prod
 from typing import TYPE_CHECKING, Any
 
 from ..comm import Backend, Group, Handle, backend_for, completed, pool
@@ -15,7 +16,8 @@ from ..comm.work import before_collective
 from ..mesh import cached_per_mesh, release_on_free
 from ..placement import Placement
 from ..split import local_shape_and_offset, split_range, split_sizes
-from .planner import StepKind, plan_redistribute
+from .planner import StepKind, exchanges_directly, plan_redistribute
+from .traffic import exchange_layout
 
 if TYPE_CHECKING:
     from ..spec import DTensorSpec
@@ -128,6 +130,15 @@ _STEPS: dict[StepKind, _StepRule] = {
 }
 
 
+def _exchanges(spec: "DTensorSpec", target: tuple[Placement, ...]) -> bool:
+    """Whether the plan is one whole-mesh exchange (planner.exchanges_directly): for a
+    non-empty tensor on a backend that has the exchange (a fact of the mesh, so every rank
+    agrees); otherwise the per-dim plan."""
+    backend = backend_for(spec.mesh.device_type)
+    return (spec.mesh.ndim > 1 and prod(spec.shape) > 0 and exchanges_directly(spec.placements, target)
+            and hasattr(getattr(backend, "inner", backend), "exchange"))
+
+
 def compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> CompiledPlan:
     """The redistribute from ``spec`` to ``target`` placements, compiled for this rank and
     cached on (source spec, target placements) in the spec's mesh (``mesh._plans``): metadata
@@ -147,6 +158,13 @@ def _compile_plan(spec: "DTensorSpec", target: tuple[Placement, ...]) -> Compile
         return CompiledPlan(out_spec, (), xp)
     placements = spec.placements
     shape = spec.local_shape
+    if _exchanges(spec, target):
+        layout = exchange_layout(spec.shape, mesh.shape, placements, target, coord)
+        out_shape = out_spec.local_shape
+        shared = (spec.shape, placements, target)  # the same on every rank: the divergence check's facts
+        only = CompiledStep(StepKind.EXCHANGE, Group(mesh.get_comm(), None), (layout, shared), out_shape,
+                            _collective(StepKind.EXCHANGE), pool.allocator(xp, out_shape, spec.dtype))
+        return CompiledPlan(out_spec, (only,), xp)
     compiled = []
     for step in plan_redistribute(placements, target):
         k, m, me = step.mesh_dim, mesh.shape[step.mesh_dim], coord[step.mesh_dim]

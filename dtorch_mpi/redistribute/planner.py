@@ -9,6 +9,13 @@ splits the same tensor dim. So the plan runs in two phases:
    reduce-scatter). Deeper shards of a tensor dim that a shallower change touches are
    gathered first and restored in phase 2 ("dirty").
 2. outermost to innermost: the communication-free steps (R->S local slice, R->P).
+
+That per-dim plan can gather far more than a rank needs on meshes of 2+ dims (a shard gathered
+on one mesh dim and sliced again, e.g. ``[S0,S0,S0] -> [S1,S1,S1]`` gathers 1/8 of the tensor
+on an (8,16,8) mesh for a 1/1024 piece). ``exchanges_directly`` names the Shard/Replicate pairs
+whose per-dim plan is not minimal; those run as one ``EXCHANGE`` over the whole mesh: each rank
+receives exactly what its target piece lacks, from the rank holding it with its own
+coordinates on the source's Replicate dims (redistribute/traffic.py counts both plans' bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class StepKind(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"  # Partial -> Shard
     SLICE = "slice"  # Replicate -> Shard (local)
     TO_PARTIAL = "to_partial"  # Replicate -> Partial (local)
+    EXCHANGE = "exchange"  # Shard/Replicate -> Shard/Replicate on several mesh dims at once (whole mesh)
 
     @property
     def communicates(self) -> bool:
@@ -121,3 +129,21 @@ def plan_redistribute(
             assert isinstance(cur[k], Replicate), (src, dst, cur)
             move(k, dst[k])
     return tuple(steps)
+
+
+@lru_cache(maxsize=2048)
+def exchanges_directly(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> bool:
+    """Whether ``src -> dst`` runs as one whole-mesh ``EXCHANGE`` instead of the per-dim plan:
+    for Shard/Replicate pairs (no Partial) whose per-dim plan communicates and is not minimal.
+    Minimal (kept) is a plan of local steps only, or one changing each mesh dim at most once,
+    straight to its target, by communication alone, and either a single step or all-gathers
+    only (a chain of all-gathers receives exactly what the target lacks). The choice is a
+    function of placements alone: the same on every rank."""
+    if any(isinstance(p, Partial) for p in src + dst):
+        return False
+    steps = plan_redistribute(src, dst)
+    if not any(s.communicates for s in steps):
+        return False
+    direct = len({s.mesh_dim for s in steps}) == len(steps) and all(
+        s.communicates and s.dst == dst[s.mesh_dim] for s in steps)
+    return not (direct and (len(steps) == 1 or all(s.kind is StepKind.ALL_GATHER for s in steps)))
