@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ._mpi import library_world
+from .arrays import array_namespace
 from .autograd.grad_mode import _GradMode, note_requires_grad
 from .comm.config import spmd_debug
 from .dtypes import check_dtype, dtype_code, dtype_from_code, reduction_op, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import CompiledHandle, CompiledPlan, array_namespace, compile_plan, run_compiled
+from .redistribute import CompiledHandle, CompiledPlan, compile_plan, run_compiled
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
 from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns

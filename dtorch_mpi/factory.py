@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import random as _random
+from .arrays import array_namespace
 from .comm import Group, backend_for
 from .comm.config import spmd_debug
 from .comm.layout import with_dim
@@ -19,7 +20,6 @@ from .dtypes import check_dtype, dtype_code, dtype_from_code, identity_value, to
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import array_namespace
 from .spec import DTensorSpec
 from .split import local_shape_and_offset, split_sizes
 from .spmd import MAX_NDIM, fingerprint, gather_records, require_same, require_same_columns

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ..arrays import array_namespace
 from ..comm import Backend, Group, Handle, backend_for, completed, pool
 from ..comm.mpi_backend import free_cached_types
 from ..comm.work import before_collective
@@ -19,16 +20,6 @@ from .planner import StepKind, plan_redistribute
 
 if TYPE_CHECKING:
     from ..spec import DTensorSpec
-
-
-def array_namespace(device_type: str) -> Any:
-    if device_type == "cuda":
-        import cupy
-
-        return cupy
-    import numpy
-
-    return numpy
 
 
 def _with_placement(
