@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._mpi import library_world
+from .arrays import array_namespace
 from .autograd.grad_mode import _GradMode, note_requires_grad
 from .comm.config import spmd_debug
 from .comm.deadline import wait_request
@@ -19,7 +20,7 @@ from .dtypes import check_dtype, dtype_code, reduction_op, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import CompiledHandle, CompiledPlan, array_namespace, compile_plan, run_compiled
+from .redistribute import CompiledHandle, CompiledPlan, compile_plan, run_compiled
 from .spec import DTensorSpec
 from .split import local_shape_and_offset
 from .spmd import MAX_NDIM, agree, fingerprint, raise_divergence, require_same

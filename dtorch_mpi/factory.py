@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import random as _random
+from .arrays import array_namespace
 from .comm import Group, backend_for
 from .comm.config import spmd_debug
 from .comm.deadline import wait_request
@@ -20,7 +21,6 @@ from .dtypes import check_dtype, dtype_code, dtype_from_code, identity_value, to
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
-from .redistribute import array_namespace
 from .spec import DTensorSpec
 from .split import local_shape_and_offset, split_sizes
 from .spmd import MAX_NDIM, agree, fingerprint, raise_divergence, require_same
@@ -191,23 +191,24 @@ def arange(start: Any, stop: Any = None, step: Any = 1, *, dtype: Any = None,
 def rand(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
          placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     """Uniform [0, 1) values, the same global value for any mesh and placements."""
-    dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
-    _require_float(dt, "rand")
-    dims = _parse_shape(shape)
-    key = _random_key(mesh, "rand")
-    return _build(dims, dt, mesh, plc,
-                  lambda s, o, xp: _random.uniform(key, dims, s, o, dt, xp)).requires_grad_(requires_grad)
+    return _sampled("rand", _random.uniform, shape, dtype, device_mesh, placements, requires_grad)
 
 
 def randn(*shape: Any, dtype: Any = None, device_mesh: DeviceMesh | None = None,
           placements: Sequence[Placement] | None = None, requires_grad: bool = False) -> DTensor:
     """Standard normal values, the same global value for any mesh and placements."""
+    return _sampled("randn", _random.normal, shape, dtype, device_mesh, placements, requires_grad)
+
+
+def _sampled(call: str, sample: Callable[..., Any], shape: tuple[Any, ...], dtype: Any,
+             device_mesh: DeviceMesh | None, placements: Sequence[Placement] | None, requires_grad: bool) -> DTensor:
+    """``rand``/``randn``: each rank draws only its piece of the counter-based stream
+    ``sample(key, global shape, local shape, offset, dtype, xp)``, so any layout sees one array."""
     dt, mesh, plc = _factory_args(dtype, device_mesh, placements)
-    _require_float(dt, "randn")
+    _require_float(dt, call)
     dims = _parse_shape(shape)
-    key = _random_key(mesh, "randn")
-    return _build(dims, dt, mesh, plc,
-                  lambda s, o, xp: _random.normal(key, dims, s, o, dt, xp)).requires_grad_(requires_grad)
+    key = _random_key(mesh, call)
+    return _build(dims, dt, mesh, plc, lambda s, o, xp: sample(key, dims, s, o, dt, xp)).requires_grad_(requires_grad)
 
 
 def _random_key(mesh: DeviceMesh, call: str) -> int:

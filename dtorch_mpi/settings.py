@@ -140,10 +140,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "The backend of `cuda` meshes; `auto` takes NCCL where every rank has a GPU of its "
             "own, else CUDA-aware MPI where MPI is, else host staging. Agreed across ranks when "
             "it is chosen.",
-            str, "first cuda mesh", "comm/gpu.py"),
+            str, "first cuda mesh", "comm/gpu_select.py"),
     Setting("DTORCH_CUDA_AWARE_MPI", "flag (`1` yes, empty or `0` no)", None,
             "Declares whether MPI takes GPU memory; unset, MPI is asked (`MPI.Query_cuda_support`).",
-            _on_unless_empty_or_zero, "first cuda mesh", "comm/gpu.py"),
+            _on_unless_empty_or_zero, "first cuda mesh", "comm/gpu_select.py"),
     Setting("DTORCH_ABORT_ON_EXCEPTION", "flag (`0`, `false`, `no`, `off` turn it off)", "1",
             "An uncaught exception on one rank of a multi-rank, non-interactive run calls "
             "`MPI_Abort`, ending the whole job instead of leaving the other ranks waiting.",

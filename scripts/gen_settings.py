@@ -21,7 +21,7 @@ otherwise be silently ignored).
 **Agreed** settings decide which MPI calls the library makes or how long it waits on them:
 every `DeviceMesh` construction checks that all ranks hold the same values and raises
 `SPMDDivergenceError` on every rank otherwise. (`DTORCH_GPU_BACKEND` is agreed separately, with
-the node facts, when the first `cuda` mesh chooses its backend: comm/gpu.py.)
+the node facts, when the first `cuda` mesh chooses its backend: comm/gpu_select.py.)
 """
 
 

@@ -150,8 +150,8 @@ def record_redistribute(src: "DTensor", out: "DTensor") -> "DTensor":
     src_spec, out_spec = src.spec, out.spec
 
     def backward(grad: "DTensor") -> list["DTensor | None"]:
+        from ..arrays import array_namespace
         from ..dtensor import DTensor
-        from ..redistribute import array_namespace
 
         check_grad_layout("redistribute backward", out_spec, grad)
         via: list[Placement] = []

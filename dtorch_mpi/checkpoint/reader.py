@@ -42,11 +42,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .._mpi import library_world
+from ..arrays import array_namespace
 from ..comm.deadline import wait_request
 from ..dtypes import identity_value
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate
-from ..redistribute import array_namespace
 from ..spmd import agreed
 from . import pieces
 from .checksum import MASK, checksum, digest, gathered_sums

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from .. import factory
+from ..arrays import array_namespace
 from ..autograd.function import needs_recording
 from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
@@ -20,7 +21,6 @@ from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..ops.catalog import log_softmax, softmax
 from ..placement import Partial, Placement, Replicate, Shard
-from ..redistribute import array_namespace
 from ..spec import DTensorSpec
 from .indices import require_in_range
 from .losses import cross_entropy

@@ -19,13 +19,13 @@ import numpy as np
 
 from .. import factory
 from .. import random as _random
+from ..arrays import array_module_of as _xp
 from ..dtensor import DTensor, checked_shape, make_spec
 from ..dtypes import check_dtype
 from ..errors import DTypeMismatchError
 from ..mesh import DeviceMesh, init_device_mesh
 from ..ops import activations as K
 from ..placement import Replicate
-from ..redistribute import array_namespace
 from . import functional as F
 from .deferred import deferred_parameter
 from .functional import linear
@@ -73,11 +73,6 @@ def lift(x: Any, mesh: DeviceMesh) -> DTensor:
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"a layer takes a DTensor or an array, got {type(x).__name__}")
     return DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, shape=x.shape)
-
-
-def _xp(x: Any) -> Any:
-    """The array library of a plain array (NumPy or CuPy)."""
-    return np if isinstance(x, np.ndarray) else array_namespace("cuda")
 
 
 class Linear(Module):

@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import array_namespace
 from ..autograd.function import needs_recording
 from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
 from ..dtensor import DTensor
 from ..errors import PlacementError, ShapeMismatchError
 from ..placement import Partial, Placement, Replicate, Shard
-from ..redistribute import array_namespace
 from ..spec import DTensorSpec
 from .indices import require_in_range
 

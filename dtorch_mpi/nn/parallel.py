@@ -139,25 +139,46 @@ def _check_linear(module: Module, style: str, mesh: DeviceMesh) -> Linear:
     return module
 
 
-class ColwiseParallel(ParallelStyle):
+class _LinearStyle(ParallelStyle):
+    """What ColwiseParallel and RowwiseParallel share: PyTorch's keyword constructor (each
+    style's defaults in ``_layouts``) and ``apply``'s dispatch: an Embedding goes to
+    ``_embedding_style``; a Linear gets its weight (and bias) placed as in ``_placed``, then the
+    style's ``_forward``."""
+
+    _layouts: tuple[Placement, Placement]  # default (input_layouts, output_layouts)
+    _placed: tuple[Placement, Placement | None, Placement]  # Linear weight, Linear bias (None: kept), Embedding weight
+
+    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
+                 use_local_output: bool = False) -> None:
+        self.input_layouts = input_layouts or self._layouts[0]
+        self.output_layouts = output_layouts or self._layouts[1]
+        self.use_local_output = use_local_output
+
+    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
+        weight, bias, embedding = self._placed
+        if isinstance(module, Embedding):
+            return _embedding_style(module, mesh, embedding, self)
+        lin = _check_linear(module, type(self).__name__, mesh)
+        _shard_param(lin.weight, weight)
+        if bias is not None:
+            _shard_param(lin.bias, bias)
+        object.__setattr__(lin, "forward", self._forward(lin, mesh))
+        return lin
+
+    def _forward(self, lin: Linear, mesh: DeviceMesh) -> Any:
+        raise NotImplementedError
+
+
+class ColwiseParallel(_LinearStyle):
     """Shard a Linear's output features: weight ``Shard(0)``, bias ``Shard(0)``. Input
     ``Replicate`` by default; output ``Shard(-1)`` (no communication), a DTensor unless
     ``use_local_output=True`` (then a plain piece, refused where it requires grad). On an
     Embedding: weight ``Shard(1)`` (embedding columns), output ``Shard(-1)``."""
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = False) -> None:
-        self.input_layouts = input_layouts or Replicate()
-        self.output_layouts = output_layouts or Shard(-1)
-        self.use_local_output = use_local_output
+    _layouts = (Replicate(), Shard(-1))
+    _placed = (Shard(0), Shard(0), Shard(1))
 
-    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        if isinstance(module, Embedding):
-            return _embedding_style(module, mesh, Shard(1), self)
-        lin = _check_linear(module, "ColwiseParallel", mesh)
-        _shard_param(lin.weight, Shard(0))
-        _shard_param(lin.bias, Shard(0))
-
+    def _forward(self, lin: Linear, mesh: DeviceMesh) -> Any:
         def forward(x: Any) -> Any:
             x = _as_input(x, self.input_layouts, mesh, lin.in_features, "ColwiseParallel")
             if x.placements != (Replicate(),):
@@ -167,29 +188,20 @@ class ColwiseParallel(ParallelStyle):
                 y = y + lin.bias
             return _to_output(self, y)
 
-        object.__setattr__(lin, "forward", forward)
-        return lin
+        return forward
 
 
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LinearStyle):
     """Shard a Linear's input features: weight ``Shard(1)``, bias ``Replicate``. Input
     ``Shard(-1)`` by default; the partial sums are reduced to ``output_layouts`` (default
     ``Replicate``: one all-reduce; ``Shard(0)``: one reduce-scatter), then the bias is added.
     On an Embedding (vocab-parallel): weight ``Shard(0)``, index ``Replicate``; each rank looks
     up the rows it owns and the ``Partial("sum")`` lookup is reduced to ``output_layouts``."""
 
-    def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None,
-                 use_local_output: bool = False) -> None:
-        self.input_layouts = input_layouts or Shard(-1)
-        self.output_layouts = output_layouts or Replicate()
-        self.use_local_output = use_local_output
+    _layouts = (Shard(-1), Replicate())
+    _placed = (Shard(1), None, Shard(0))
 
-    def apply(self, module: Module, mesh: DeviceMesh) -> Module:
-        if isinstance(module, Embedding):
-            return _embedding_style(module, mesh, Shard(0), self)
-        lin = _check_linear(module, "RowwiseParallel", mesh)
-        _shard_param(lin.weight, Shard(1))
-
+    def _forward(self, lin: Linear, mesh: DeviceMesh) -> Any:
         def forward(x: Any) -> Any:
             x = _as_input(x, self.input_layouts, mesh, lin.in_features, "RowwiseParallel")
             want = Shard(x.ndim - 1)
@@ -200,8 +212,7 @@ class RowwiseParallel(ParallelStyle):
                 y = y + lin.bias
             return _local_or_dtensor(self, y)
 
-        object.__setattr__(lin, "forward", forward)
-        return lin
+        return forward
 
 
 def _normalise(p: Placement, ndim: int) -> Placement:

@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from .._mpi import library_world
+from ..arrays import array_namespace
 from ..dtensor import DTensor
 from ..dtypes import check_dtype, identity_value
 from ..errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError, StateDictError
 from ..placement import Partial
-from ..redistribute import array_namespace
 from ..spmd import agreed
 from .module import Parameter
 

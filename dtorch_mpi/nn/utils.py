@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import array_namespace
 from ..comm import Group, backend_for
 from ..comm.divergence import call_context
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError, ShapeMismatchError
-from ..redistribute import array_namespace, compile_plan
+from ..redistribute import compile_plan
 from ..redistribute.executor import CompiledStep, run_compiled_step
 from .checkpoint import apply_activation_checkpointing, checkpoint, checkpoint_module, checkpoint_sequential  # noqa: F401
 

@@ -182,18 +182,7 @@ def binary(op: Op, *methods: str, reflected: tuple[str, ...] = (), inplace: tupl
         first = sa if sa is not None else sb  # plan_for inlined: the mesh's cache, one call less
         plan = plan_for(op, (sa, sb), ()) if first is None else first.mesh._op_plans(op, (sa, sb), ())
         pa, pb = plan.prepare
-        if sa is not None:
-            la = a._local if a._pending is None else a.to_local()  # type: ignore[union-attr]
-            if pa is not None:
-                la = run_compiled(la, pa, operand=True)
-        else:
-            la = a
-        if sb is not None:
-            lb = b._local if b._pending is None else b.to_local()  # type: ignore[union-attr]
-            if pb is not None:
-                lb = run_compiled(lb, pb, operand=True)
-        else:
-            lb = b
+        la, lb = _prepared(a, sa, pa), _prepared(b, sb, pb)
         return finish(op, plan, (a, b), (la, lb), plan.kernel(la, lb), NO_PARAMS)
 
     def reflected_fn(a: Operand, b: Operand, /) -> DTensor:

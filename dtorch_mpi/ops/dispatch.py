@@ -105,7 +105,7 @@ def infer(
             plan = compile_plan(spec, tuple(target))
             assert not plan.communicates, "an operator plan must never communicate"
             prepare.append(plan)
-    from ..redistribute import array_namespace
+    from ..arrays import array_namespace
 
     return OpPlan(mesh, tuple(out), out_shape, tuple(prepare), reduced_sharded,
                   array_namespace(mesh.device_type), tuple(rules))

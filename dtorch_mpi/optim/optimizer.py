@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from .._mpi import library_world
+from ..arrays import array_namespace
 from ..autograd.function import version_of
 from ..dtensor import DTensor
 from ..errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError, StateDictError
-from ..redistribute import array_namespace
 from ..spmd import agreed
 from .checks import check_state, group_indices, state_index, step_count
 

@@ -10,6 +10,7 @@ from functools import partial
 from math import prod
 from typing import TYPE_CHECKING, Any
 
+from ..arrays import array_namespace
 from ..comm import Backend, Group, Handle, backend_for, completed, pool
 from ..comm.mpi_backend import free_cached_types
 from ..comm.work import before_collective
@@ -21,16 +22,6 @@ from .traffic import exchange_layout
 
 if TYPE_CHECKING:
     from ..spec import DTensorSpec
-
-
-def array_namespace(device_type: str) -> Any:
-    if device_type == "cuda":
-        import cupy
-
-        return cupy
-    import numpy
-
-    return numpy
 
 
 def _with_placement(
