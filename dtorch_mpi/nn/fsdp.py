@@ -62,6 +62,7 @@ from ..redistribute.planner import StepKind
 from ..spec import DTensorSpec
 from .deferred import is_deferred, materialize_as
 from .module import Module, Parameter
+from .wrapping import check_module_and_dp_mesh
 
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
 
@@ -446,13 +447,7 @@ def _on_grad_complete(unit: _Unit, slot: _Slot) -> Callable[[DTensor], None]:
 def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> Module:
     """Shard ``module``'s unclaimed (replicated) parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
     returns the module. Apply bottom-up (blocks, then the root); see docs/training.md."""
-    if not isinstance(module, Module):
-        raise TypeError(f"fully_shard takes a dtorch_mpi.nn.Module, got {type(module).__name__}")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"fully_shard(module, *, mesh=...): mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(f"fully_shard needs a 1-D mesh (the data-parallel dim), got a {mesh.ndim}-D mesh; "
-                         f"pass a sub-mesh such as mesh['dp']")
+    check_module_and_dp_mesh("fully_shard", module, mesh)
     if _unit_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     slots, inner = _claim(module, mesh)

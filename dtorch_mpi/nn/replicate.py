@@ -50,6 +50,7 @@ from ..redistribute.planner import StepKind
 from ..spmd import require_same
 from .module import Module, Parameter
 from .utils import BUCKET_BYTES
+from .wrapping import check_module_and_dp_mesh
 
 
 @dataclass
@@ -219,13 +220,7 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
     backward the gradients are all-reduced in buckets of ``bucket_bytes`` (summed: see the module
     docstring), and after ``backward()`` every ``.grad`` is ``Replicate``. Adds
     ``module.no_sync()`` (gradient accumulation). Returns the module; see docs/training.md."""
-    if not isinstance(module, Module):
-        raise TypeError(f"replicate takes a dtorch_mpi.nn.Module, got {type(module).__name__}")
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"replicate(module, *, mesh=...): mesh must be a DeviceMesh, got {type(mesh).__name__}")
-    if mesh.ndim != 1:
-        raise ValueError(f"replicate needs a 1-D mesh (the data-parallel dim), got a {mesh.ndim}-D mesh; "
-                         f"pass a sub-mesh such as mesh['dp']")
+    check_module_and_dp_mesh("replicate", module, mesh)
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
         raise ValueError(f"replicate: bucket_bytes must be a non-negative int (bytes per bucket; 0: one "
                          f"all-reduce per gradient), got {bucket_bytes!r}")
