@@ -158,8 +158,8 @@ class DTensor:
         as its Shard on a Shard dim, Replicate on a Partial dim, Replicate or Partial on a
         Replicate dim.
         """
-        from .autograd.function import check_grad_layout
         from .autograd.graph import run_backward
+        from .autograd.record import check_grad_layout
 
         if gradient is not None:
             check_gradient_argument(self, gradient)
@@ -351,7 +351,7 @@ class DTensor:
         else:
             out = DTensor(run_compiled(self.to_local(), plan), plan.out_spec)
         if self._requires_grad and _GradMode.enabled:
-            from .autograd.function import record_redistribute
+            from .autograd.record import record_redistribute
 
             record_redistribute(self, out)
         return out

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from .. import factory
-from ..autograd.function import needs_recording
 from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
+from ..autograd.record import needs_recording
 from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..ops.catalog import log_softmax, softmax

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from .._mpi import library_world
-from ..autograd.function import version_of
+from ..autograd.record import version_of
 from ..dtensor import DTensor
 from ..errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError, StateDictError
 from ..redistribute import array_namespace
