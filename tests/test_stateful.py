@@ -102,11 +102,11 @@ def test_a_users_stateful_object_checkpoints_through_the_protocol(mesh1d: dt.Dev
         assert np.array_equal(a.to_torch(), b.to_torch()), k
 
 
-# the cycles issue 24 item 4 names; those listed in REMAINING are still there (see the report)
+# the cycles issue 24 item 4 names, all gone (REMAINING lists any that come back on purpose)
 NAMED = [("module", "dtorch_mpi.nn.module", "dtorch_mpi.nn.state"), ("package", "checkpoint", "nn"),
          ("package", "checkpoint", "optim"), ("package", "dtensor", "autograd"), ("package", "dtensor", "ops"),
          ("package", "autograd", "ops")]
-REMAINING = {("package", "dtensor", "autograd"), ("package", "dtensor", "ops"), ("package", "autograd", "ops")}
+REMAINING: set[tuple[str, str, str]] = set()
 
 
 @pytest.mark.rank_independent
