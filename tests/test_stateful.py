@@ -21,6 +21,8 @@ from dtorch_mpi.stateful import InPlaceLoad, Stateful
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import import_graph
 
+pytestmark = pytest.mark.path_independent  # checkpoint exchanges are plain MPI; the backend's paths are tested elsewhere
+
 
 def _model(mesh: dt.DeviceMesh, seed: int) -> dt.nn.Module:
     dt.manual_seed(seed)
@@ -110,7 +112,6 @@ REMAINING: set[tuple[str, str, str]] = set()
 
 
 @pytest.mark.rank_independent
-@pytest.mark.path_independent
 @pytest.mark.parametrize("level,a,b", NAMED)
 def test_named_import_cycles(level: str, a: str, b: str) -> None:
     modules = import_graph.module_graph()
@@ -123,7 +124,6 @@ def test_named_import_cycles(level: str, a: str, b: str) -> None:
 
 
 @pytest.mark.rank_independent
-@pytest.mark.path_independent
 def test_import_graph_sees_lazy_imports_and_skips_type_checking(tmp_path: Any) -> None:
     pkg = tmp_path / "dtorch_mpi"
     (pkg / "sub").mkdir(parents=True)
