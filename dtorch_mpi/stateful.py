@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -45,6 +45,24 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> Any: ...
 
     def prepare_load(self, state_dict: Mapping[str, Any]) -> PendingLoad: ...
+
+
+_STATEFUL_TYPES: dict[type, bool] = {}
+
+
+def _stateful_type(cls: type) -> bool:
+    known = _STATEFUL_TYPES.get(cls)
+    if known is None:
+        known = _STATEFUL_TYPES[cls] = all(callable(getattr(cls, name, None))
+                                           for name in ("state_dict", "load_state_dict", "prepare_load"))
+    return known
+
+
+def is_stateful(value: Any) -> TypeGuard[Stateful]:
+    """``isinstance(value, Stateful)`` decided once per type (its class defines the three methods):
+    a checkpoint asks it of every node of its tree, and a runtime protocol check costs tens of
+    microseconds each on Python 3.11."""
+    return _stateful_type(type(value))
 
 
 def loads_in_place(obj: Stateful) -> Mapping[str, DTensor] | None:

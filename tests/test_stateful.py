@@ -16,7 +16,7 @@ from conftest import SIZE
 import dtorch_mpi as dt
 from dtorch_mpi.errors import ShapeMismatchError, StateDictError
 from dtorch_mpi.nn.state import load_into
-from dtorch_mpi.stateful import InPlaceLoad, Stateful
+from dtorch_mpi.stateful import InPlaceLoad, Stateful, is_stateful
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import import_graph
@@ -36,6 +36,9 @@ def test_modules_optimizers_and_fully_shard_are_stateful(mesh1d: dt.DeviceMesh) 
     assert isinstance(dt.optim.AdamW(model.parameters(), lr=0.1), Stateful)
     assert isinstance(dt.fully_shard(_model(mesh1d, 0), mesh=mesh1d), Stateful)
     assert not isinstance({"a": 1}, Stateful) and not isinstance(model.state_dict()["0.weight"], Stateful)
+    for value in (model, dt.optim.SGD(model.parameters(), lr=0.1), Counter(mesh1d, 0.0, 0), {"a": 1}, 3, None,
+                  model.state_dict()["0.weight"], np.zeros(2)):
+        assert is_stateful(value) == isinstance(value, Stateful), type(value)
 
 
 def test_module_prepare_load_checks_and_changes_nothing(mesh1d: dt.DeviceMesh) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..dtensor import DTensor
 from ..errors import CheckpointError, StateDictError
-from ..stateful import Stateful, loads_in_place
+from ..stateful import Stateful, is_stateful, loads_in_place
 from .reader import read_whole
 from .tree import Children, check_members, decode, join, walk
 from .validate import Listing
@@ -46,7 +46,7 @@ def parts(target: Any) -> Parts:
     found = Parts()
 
     def visit(value: Any, key: str, holder: MutableMapping[Any, Any] | None, name: Any) -> Children | None:
-        if isinstance(value, Stateful):
+        if is_stateful(value):
             live = loads_in_place(value)
             if live is None:
                 found.optimizers[key] = value

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..dtensor import DTensor
 from ..errors import CheckpointError
-from ..stateful import Stateful
+from ..stateful import is_stateful
 from . import pytypes
 from .validate import Entry, Listing
 
@@ -78,7 +78,7 @@ def flatten(obj: Mapping[Any, Any]) -> Layout:
     layout = Layout()
 
     def visit(value: Any, key: str, *_where: Any) -> Children | None:
-        if isinstance(value, Stateful):
+        if is_stateful(value):
             value = value.state_dict()
         encoded = pytypes.encode(value, key)
         if encoded is not None:
