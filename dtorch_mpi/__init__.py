@@ -6,8 +6,10 @@ placement per mesh dim: ``Shard(dim)``, ``Replicate()`` or ``Partial(op)``.
 
 from . import nn, optim
 from .autograd import enable_grad, is_grad_enabled, no_grad
+from .autograd import wire as _wire_autograd
 from .checkpoint import has_parallel_hdf5, load, save
 from .comm import CommCounter, CommRecord, set_comm_path, wait_all
+from .dtensor import WIRING as _WIRING
 from .dtensor import DTensor, GatherHandle
 from .errors import (
     CheckpointError,
@@ -37,6 +39,7 @@ from .factory import (
 from .mesh import DeviceMesh, init_device_mesh
 from .nn import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module, replicate
 from .ops import catalog as _catalog
+from .ops import exported as _exported
 from .ops import install_methods as _install_methods
 from .ops import signature
 from .ops.catalog import *  # noqa: F403  (every operator function; its __all__ is checked against OPS)
@@ -48,6 +51,8 @@ from .timeline import trace, trace_span
 from .visualize import sharding_table, visualize_sharding
 
 _install_methods(DTensor)  # DTensor methods and operators, derived from the operator declarations
+_wire_autograd(_WIRING)  # backward, hooks and recorded redistributes: dtensor.py does not import autograd
+_WIRING.exported = _exported  # the ufunc table of __array_ufunc__: nor ops
 
 __version__ = "0.1.0"
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 from typing import TYPE_CHECKING, Any
@@ -13,11 +14,11 @@ from mpi4py import MPI
 
 from ._mpi import library_world
 from .arrays import array_namespace
-from .autograd.grad_mode import _GradMode, note_requires_grad
 from .comm.config import spmd_debug
 from .comm.deadline import wait_request
 from .dtypes import check_dtype, dtype_code, reduction_op, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError
+from .grad_mode import _GradMode, note_requires_grad
 from .mesh import DeviceMesh
 from .placement import Partial, Placement, Replicate, Shard, normalize_placements
 from .redistribute import CompiledHandle, CompiledPlan, compile_plan, run_compiled
@@ -45,6 +46,28 @@ _UNCACHEABLE = object()  # DTensor._plan_to: placements that cannot key the plan
 _UFUNC_NAMES = {"absolute": "abs", "equal": "eq", "not_equal": "ne", "less": "lt", "less_equal": "le",
                 "greater": "gt", "greater_equal": "ge", "invert": "bitwise_not"}
 """NumPy ufuncs whose dtorch operator has another name (``DTensor.__array_ufunc__``)."""
+
+
+def _unwired(*_: Any) -> Any:
+    raise RuntimeError("dtorch_mpi.dtensor was used before the autograd graph and the operators were wired in "
+                       "(dtorch_mpi/__init__.py does it): import dtorch_mpi")
+
+
+@dataclass
+class Wiring:
+    """What DTensor methods call but dtensor.py does not import: the autograd graph and the
+    operator table import DTensor, so ``dtorch_mpi/__init__.py`` wires them in here once
+    (``autograd.wire``, ``ops.exported``), as it installs the operator methods."""
+
+    run_backward: Callable[..., None] = _unwired
+    check_grad_layout: Callable[..., None] = _unwired
+    register_hook: Callable[..., Any] = _unwired
+    register_post_accumulate_grad_hook: Callable[..., Any] = _unwired
+    record_redistribute: Callable[..., Any] = _unwired
+    exported: Callable[[], Mapping[str, Callable[..., Any]]] = _unwired
+
+
+WIRING = Wiring()
 
 
 class DTensor:
@@ -161,9 +184,6 @@ class DTensor:
         as its Shard on a Shard dim, Replicate on a Partial dim, Replicate or Partial on a
         Replicate dim.
         """
-        from .autograd.function import check_grad_layout
-        from .autograd.graph import run_backward
-
         if gradient is not None:
             check_gradient_argument(self, gradient)
         if gradient is None:
@@ -176,22 +196,18 @@ class DTensor:
             spec = self._spec.with_placements(seed)
             xp = array_namespace(self.device_mesh.device_type)
             gradient = DTensor(xp.ones(spec.local_shape, dtype=self.dtype), spec)
-        check_grad_layout("backward", self._spec, gradient)
-        run_backward(self, gradient, retain_graph)
+        WIRING.check_grad_layout("backward", self._spec, gradient)
+        WIRING.run_backward(self, gradient, retain_graph)
 
     def register_hook(self, hook: Any) -> Any:
         """``hook(grad)`` each backward once the gradient with respect to this tensor is complete,
         before it flows on; it may return a replacement. Returns a handle (``.remove()``)."""
-        from .autograd.graph import register_hook
-
-        return register_hook(self, hook)
+        return WIRING.register_hook(self, hook)
 
     def register_post_accumulate_grad_hook(self, hook: Any) -> Any:
         """``hook(self)`` each backward once this leaf's ``.grad`` holds all of that backward's
         contributions. Returns a handle (``.remove()``)."""
-        from .autograd.graph import register_post_accumulate_grad_hook
-
-        return register_post_accumulate_grad_hook(self, hook)
+        return WIRING.register_post_accumulate_grad_hook(self, hook)
 
     def __len__(self) -> int:
         if not self.shape:
@@ -257,9 +273,7 @@ class DTensor:
         placement rules, no hidden communication): ``np.exp(x)`` is ``dt.exp(x)`` and
         ``np.float64(2) * x`` is ``dt.multiply``; a plain array operand is refused as it is in
         ``x + array``. Other ufuncs, ufunc methods and ``out=``/``where=`` raise TypeError."""
-        from .ops.registry import exported
-
-        fn = exported().get(_UFUNC_NAMES.get(ufunc.__name__, ufunc.__name__))
+        fn = WIRING.exported().get(_UFUNC_NAMES.get(ufunc.__name__, ufunc.__name__))
         if fn is None or method != "__call__" or kwargs:
             call = f"np.{ufunc.__name__}" + ("" if method == "__call__" else f".{method}")
             extra = f" with {sorted(kwargs)}" if kwargs and fn is not None and method == "__call__" else ""
@@ -272,10 +286,8 @@ class DTensor:
         return fn(*(a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a for a in inputs))
 
     def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        from .ops.registry import exported
-
         name = getattr(func, "__name__", str(func))
-        hint = f"use dt.{name}(...) (see dt.signature({name!r})); " if name in exported() else ""
+        hint = f"use dt.{name}(...) (see dt.signature({name!r})); " if name in WIRING.exported() else ""
         raise TypeError(
             f"numpy.{name} does not run on a DTensor: {hint}for NumPy, x.to_torch() is the complete "
             f"value on every rank, x.to_local() this rank's piece"
@@ -354,9 +366,7 @@ class DTensor:
         else:
             out = DTensor(run_compiled(self.to_local(), plan), plan.out_spec)
         if self._requires_grad and _GradMode.enabled:
-            from .autograd.function import record_redistribute
-
-            record_redistribute(self, out)
+            WIRING.record_redistribute(self, out)
         return out
 
     def _check_target_mesh(self, device_mesh: Any) -> None:

@@ -409,7 +409,7 @@ def load(path: str | os.PathLike, target: Any, *, strict: bool = True, staging: 
     copy of this rank's share of the target); ``staging="chunks"`` reads twice instead and needs
     one chunk (at most one tensor's piece) extra. See reader.py.
     """
-    from ..nn.state import _check
+    from ..stateful import check_fill as _check
 
     world = library_world()
     path = os.path.abspath(os.fspath(path))

@@ -1,7 +1,8 @@
 """What ``load`` restores: a target's parts matched with a checkpoint's contents.
 
-A target is a Module (its parameters), an Optimizer (its groups and state), a DTensor, or a
-mapping of these (nested, keys joined with ``.`` as in ``save``); any other value in a mutable
+A target is a ``Stateful`` (dtorch_mpi/stateful.py: a Module, whose parameters are filled in
+place, or an Optimizer, loaded through its checked ``prepare_load``), a DTensor, or a mapping of
+these (nested, keys joined with ``.`` as in ``save``); any other value in a mutable
 mapping is a slot that receives the stored value (a Python scalar or container, NumPy arrays
 for tensors). Matching builds a :class:`Restore` without changing anything: the DTensors to
 read into (module parameters in place; an optimizer's state tensors new, with their parameters'
@@ -17,8 +18,9 @@ from typing import Any
 
 from ..dtensor import DTensor
 from ..errors import CheckpointError, StateDictError
+from ..stateful import Stateful, is_stateful, loads_in_place
 from .reader import read_whole
-from .tree import check_members, decode, join
+from .tree import Children, check_members, decode, join, walk
 from .validate import Listing
 
 
@@ -27,7 +29,7 @@ class Parts:
     """A target taken apart by dotted key."""
 
     tensors: dict[str, DTensor] = field(default_factory=dict)
-    optimizers: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[str, Stateful] = field(default_factory=dict)  # each loaded by prepare_load
     slots: dict[str, tuple[MutableMapping[Any, Any], Any]] = field(default_factory=dict)
 
 
@@ -41,17 +43,16 @@ class Restore:
 
 def parts(target: Any) -> Parts:
     """Take ``target`` apart; ``TypeError`` for what cannot be loaded into."""
-    from ..nn.module import Module
-    from ..optim.optimizer import Optimizer
-
     found = Parts()
 
-    def visit(value: Any, key: str, holder: MutableMapping[Any, Any] | None, name: Any) -> None:
-        if isinstance(value, Module):
-            found.tensors.update((join(key, k), p) for k, p in value.state_dict().items())
-        elif isinstance(value, Optimizer):
-            found.optimizers[key] = value
-        elif isinstance(value, DTensor):
+    def visit(value: Any, key: str, holder: MutableMapping[Any, Any] | None, name: Any) -> Children | None:
+        if is_stateful(value):
+            live = loads_in_place(value)
+            if live is None:
+                found.optimizers[key] = value
+                return None
+            return ((str(k), k, p) for k, p in live.items())
+        if isinstance(value, DTensor):
             found.tensors[key] = value
         elif isinstance(value, Mapping):
             if _is_live_optimizer_state(value):
@@ -60,15 +61,15 @@ def parts(target: Any) -> Parts:
                     f"optimizer's own tensors but its step counts and hyperparameters are copies, so loading into "
                     f"it would restore the moments only; pass the Optimizer itself ({{{key or 'key'!r}: optimizer}}), "
                     f"or load into a slot ({{{key or 'key'!r}: None}}) and call optimizer.load_state_dict() with it")
-            for k, v in value.items():
-                visit(v, join(key, str(k)), value if isinstance(value, MutableMapping) else None, k)
+            return ((str(k), k, v) for k, v in value.items())
         elif holder is not None:
             found.slots[key] = (holder, name)
         else:
             raise TypeError(f"load() target {key or ''}: a {type(value).__name__} cannot be loaded into in place; "
                             f"pass a Module, an Optimizer, DTensors, or a mutable mapping holding it")
+        return None
 
-    visit(target, "", None, None)
+    walk(target, visit)
     return found
 
 
@@ -133,7 +134,7 @@ def _check_kinds(found: Parts, listing: Listing, path: str) -> None:
                               + "; nothing was loaded")
 
 
-def _plan_optimizer(restore: Restore, key: str, optimizer: Any, state_dict: Any, path: str) -> None:
+def _plan_optimizer(restore: Restore, key: str, optimizer: Stateful, state_dict: Any, path: str) -> None:
     """The optimizer's checked load: its new state tensors join the reads; installing it is a commit."""
     try:
         pending = optimizer.prepare_load(state_dict)

@@ -2,15 +2,16 @@
 
 ``save`` flattens a nested mapping into leaves keyed by dotted paths (a mapping key ``a`` holding
 ``{"b.c": x}`` gives ``a.b.c``, the dataset ``/a/b/c``): DTensors, complete NumPy arrays, and
-Python scalars (pytypes.py); Modules and Optimizers stand for their ``state_dict()``. Keys are
+Python scalars (pytypes.py); a ``Stateful`` (a Module, an Optimizer) stands for its ``state_dict()``. Keys are
 ``str`` (non-empty words, no ``/`` or NUL; ``.`` separates groups) or ``int`` (not both in one mapping).
-``load`` rebuilds any subtree from a file's listing, with each tensor dataset left as its
+``walk`` is the one traversal of such a tree, shared by ``save`` (``flatten``) and ``load``
+(targets.py). ``load`` rebuilds any subtree from a file's listing, with each tensor dataset left as its
 validated :class:`~.validate.Entry` for the caller to read where it belongs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from ..dtensor import DTensor
 from ..errors import CheckpointError
+from ..stateful import is_stateful
 from . import pytypes
 from .validate import Entry, Listing
 
@@ -53,15 +55,30 @@ def _name(key: Any, where: str) -> str:
     return name
 
 
+Children = Iterable[tuple[str, Any, Any]]
+"""What a visitor descends into: (name in the dotted key, the container's own key, value)."""
+
+
+def walk(root: Any, visit: Callable[[Any, str, MutableMapping[Any, Any] | None, Any], Children | None]) -> None:
+    """Depth first: ``visit(value, key, holder, name)`` handles one value (``holder[name]`` is
+    where it sits, when that is a mutable mapping) and returns the children to descend into
+    (``None`` for a leaf)."""
+
+    def go(value: Any, key: str, holder: MutableMapping[Any, Any] | None, name: Any) -> None:
+        children = visit(value, key, holder, name)
+        parent = value if isinstance(value, MutableMapping) else None
+        for label, own_key, child in children or ():
+            go(child, join(key, label), parent, own_key)
+
+    go(root, "", None, None)
+
+
 def flatten(obj: Mapping[Any, Any]) -> Layout:
     """The leaves and groups of ``obj``; raises ``CheckpointError`` naming any value or key it cannot store."""
-    from ..nn.module import Module
-    from ..optim.optimizer import Optimizer
-
     layout = Layout()
 
-    def visit(value: Any, key: str) -> None:
-        if isinstance(value, (Module, Optimizer)):
+    def visit(value: Any, key: str, *_where: Any) -> Children | None:
+        if is_stateful(value):
             value = value.state_dict()
         encoded = pytypes.encode(value, key)
         if encoded is not None:
@@ -74,19 +91,18 @@ def flatten(obj: Mapping[Any, Any]) -> Layout:
                 raise CheckpointError(f"{key or 'the root'}: a mapping mixes key types {sorted(k.__name__ for k in kinds)}"
                                       f"; use str or int keys")
             layout.groups[key] = "dict[int]" if kinds == {int} else ""
-            for k, v in value.items():
-                visit(v, join(key, _name(k, key)))
+            return ((_name(k, key), k, v) for k, v in value.items())  # lazily: errors in visiting order
         elif type(value) in (list, tuple):
             layout.groups[key] = type(value).__name__
-            for i, v in enumerate(value):
-                visit(v, join(key, str(i)))
+            return ((str(i), i, v) for i, v in enumerate(value))
         else:
             raise CheckpointError(f"{key or 'the root'}: cannot save a {type(value).__name__}; save() takes nested "
                                   f"mappings of DTensors, NumPy arrays and Python scalars (int, float, bool, str, "
                                   f"None, lists and tuples of them)")
+        return None
 
     try:
-        visit(obj, "")
+        walk(obj, visit)
     except UnicodeEncodeError as exc:
         raise CheckpointError(f"a str cannot be stored as UTF-8 ({exc})") from exc
     keys = [leaf.key for leaf in layout.leaves]

@@ -14,9 +14,9 @@ import numpy as np
 
 from .. import factory
 from ..arrays import array_namespace
-from ..autograd.function import needs_recording
 from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
+from ..autograd.record import needs_recording
 from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..ops.catalog import log_softmax, softmax

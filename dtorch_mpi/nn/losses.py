@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from ..arrays import array_namespace
-from ..autograd.function import needs_recording
 from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
+from ..autograd.record import needs_recording
 from ..dtensor import DTensor
 from ..errors import PlacementError, ShapeMismatchError
 from ..placement import Partial, Placement, Replicate, Shard

@@ -8,6 +8,8 @@ from typing import Any
 
 from ..autograd.grad_mode import note_requires_grad
 from ..dtensor import DTensor
+from ..stateful import InPlaceLoad, check_fill
+from .state import load_into
 
 
 class Parameter(DTensor):
@@ -116,10 +118,16 @@ class Module:
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> "Module":
         """Load complete values (or DTensors); each rank keeps only its piece. See
         ``dtorch_mpi.nn.state.load_into``."""
-        from .state import load_into
-
         load_into(self.state_dict(), state_dict, strict=strict)
         return self
+
+    def prepare_load(self, state_dict: Mapping[str, Any], strict: bool = True) -> InPlaceLoad:
+        """The ``Stateful`` checked load: check ``state_dict`` against the parameters (keys,
+        meshes, shapes, dtypes) and return them as the targets to fill in place (this rank's
+        check only: callers agree it, as ``load_state_dict`` and ``dtorch.load`` do)."""
+        params = self.state_dict()
+        keys = check_fill(params, state_dict, strict)
+        return InPlaceLoad({k: params[k] for k in keys}, {k: state_dict[k] for k in keys})
 
     # --- calling --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

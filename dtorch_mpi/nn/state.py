@@ -19,24 +19,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from math import prod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._mpi import library_world
 from ..arrays import array_namespace
 from ..dtensor import DTensor
-from ..dtypes import check_dtype, identity_value
-from ..errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError, StateDictError
+from ..dtypes import identity_value
 from ..placement import Partial
 from ..spmd import agreed
-from .module import Parameter
+from ..stateful import check_fill
+
+if TYPE_CHECKING:
+    from .module import Parameter
 
 
 def load_into(params: Mapping[str, Parameter], values: Mapping[str, Any], strict: bool = True) -> None:
     world = library_world()
     with agreed(world):
-        keys = _check(params, values, strict)
+        keys = check_fill(params, values, strict)
     pieces: dict[str, Any] = {}
     with agreed(world):
         for key in keys:
@@ -48,42 +50,6 @@ def load_into(params: Mapping[str, Parameter], values: Mapping[str, Any], strict
             local[...] = piece
         else:
             param._replace(piece, param.spec)
-
-
-def _check(params: Mapping[str, Parameter], values: Mapping[str, Any], strict: bool) -> list[str]:
-    if not isinstance(values, Mapping):
-        raise StateDictError(f"load_state_dict needs a mapping of name -> array, got {type(values).__name__}")
-    missing = [k for k in params if k not in values]
-    unexpected = [k for k in values if k not in params]
-    if strict and (missing or unexpected):
-        raise StateDictError(
-            "state_dict does not match the module: "
-            + (f"missing keys {missing}" if missing else "")
-            + ("; " if missing and unexpected else "")
-            + (f"unexpected keys {unexpected}" if unexpected else "")
-            + ". Pass strict=False to load a subset."
-        )
-    keys = [k for k in params if k in values]
-    for key in keys:
-        param, value = params[key], values[key]
-        if isinstance(value, DTensor):
-            if value.device_mesh != param.device_mesh:
-                raise MeshMismatchError(f"{key}: the DTensor value lives on another mesh than the parameter")
-        elif not (hasattr(value, "shape") and hasattr(value, "dtype") and hasattr(value, "__getitem__")):
-            raise StateDictError(
-                f"{key}: value is a {type(value).__name__}, not an array; pass a NumPy/CuPy array, "
-                f"an h5py dataset, a memory-mapped array or a DTensor"
-            )
-        shape = tuple(int(s) for s in value.shape)
-        if shape != param.shape:
-            raise ShapeMismatchError(f"{key}: value has shape {shape}, the parameter has {param.shape}")
-        src = check_dtype(value.dtype)
-        if not np.can_cast(src, param.dtype, casting="same_kind"):
-            raise DTypeMismatchError(
-                f"{key}: cannot load {src} into a {param.dtype} parameter (only same-kind casts, "
-                f"e.g. float64 -> float32, are done); cast the value first"
-            )
-    return keys
 
 
 def _read_piece(param: Parameter, value: Any) -> Any:

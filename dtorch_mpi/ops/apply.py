@@ -22,8 +22,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..autograd.function import needs_recording, record_op, version_of
 from ..autograd.grad_mode import _GradMode
+from ..autograd.record import needs_recording, record_op, version_of
 from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..mesh import cached_per_mesh, live_caches

@@ -2,7 +2,7 @@
 it, and the formula ``signature()`` prints.
 
 Each family module (elementwise.py, reductions.py, ...) declares its ops' backwards inline in
-their ``Op(...)``; autograd/function.py runs them (``record_op``) and autograd/rules.py derives
+their ``Op(...)``; autograd/record.py runs them (``record_op``) and autograd/rules.py derives
 each input gradient's placement from the forward rule that matched.
 """
 

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from .._mpi import library_world
 from ..arrays import array_namespace
-from ..autograd.function import version_of
+from ..autograd.record import version_of
 from ..dtensor import DTensor
 from ..errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError, StateDictError
 from ..spmd import agreed
