@@ -7,7 +7,7 @@ placement per mesh dim: ``Shard(dim)``, ``Replicate()`` or ``Partial(op)``.
 from . import nn, optim
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autograd import wire as _wire_autograd
-from .checkpoint import has_parallel_hdf5, load, save
+from .checkpoint import SaveHandle, has_parallel_hdf5, load, save
 from .comm import CommCounter, CommRecord, set_comm_path, wait_all
 from .dtensor import WIRING as _WIRING
 from .dtensor import DTensor, GatherHandle
@@ -62,7 +62,7 @@ __all__ = [
     "Replicate", "SPMDDivergenceError", "Shard", "StateDictError", "ShapeMismatchError", "arange",
     "compute_local_shape_and_offset", "distribute_tensor", "empty", "full", "init_device_mesh",
     "manual_seed", "ones", "plan_redistribute", "zeros_like", "ones_like", "empty_like", "full_like", "rand", "randn", "set_comm_path", "zeros",
-    "sharding_table", "visualize_sharding", "nn", "optim", "save", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "fully_shard", "parallelize_module", "replicate", "trace", "trace_span", "signature", "enable_grad", "is_grad_enabled", "no_grad",
+    "sharding_table", "visualize_sharding", "nn", "optim", "save", "SaveHandle", "load", "has_parallel_hdf5", "ColwiseParallel", "RowwiseParallel", "fully_shard", "parallelize_module", "replicate", "trace", "trace_span", "signature", "enable_grad", "is_grad_enabled", "no_grad",
     "wait_all",
 ]
 __all__ += _catalog.__all__

@@ -18,7 +18,7 @@ from mpi4py import MPI
 from mpi_launch import child_env, run
 
 import dtorch_mpi as dt
-from dtorch_mpi.checkpoint import hdf5 as ck
+from dtorch_mpi.checkpoint import writer as ck
 from dtorch_mpi.checkpoint.checksum import checksum
 
 # the checkpoint's own exchanges are plain MPI Allgather/Bcast; its one path-dependent step (a

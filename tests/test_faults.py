@@ -11,6 +11,7 @@ import sys
 import tempfile
 
 import numpy as np
+import pytest
 from conftest import RUN_ONCE
 from mpi_launch import mpiexec
 
@@ -23,12 +24,13 @@ pytestmark = RUN_ONCE
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_sigkill_during_save_keeps_the_previous_checkpoint() -> None:
+@pytest.mark.parametrize("mode", ["blocking", "async"])
+def test_sigkill_during_save_keeps_the_previous_checkpoint(mode: str) -> None:
     workdir = tempfile.mkdtemp(prefix="dtorch-kill-")
     path = os.path.join(workdir, "model.h5")
     try:
         proc = mpiexec(2, sys.executable, os.path.join(HERE, "harness_cases", "kill_during_save.py"), path,
-                       timeout=120)
+                       mode, timeout=120)
         assert proc.returncode != 0, proc.stdout + proc.stderr
         assert "the kill did not happen" not in proc.stdout
         with open(path, "rb") as now, open(path + ".A", "rb") as before:

@@ -1,5 +1,5 @@
-"""Checkpoints: parallel HDF5, resharding on load, atomic saves."""
+"""Checkpoints: parallel HDF5, resharding on load, atomic saves (blocking or asynchronous)."""
 
-from .hdf5 import has_parallel_hdf5, load, save
+from .hdf5 import SaveHandle, has_parallel_hdf5, load, save
 
-__all__ = ["has_parallel_hdf5", "load", "save"]
+__all__ = ["SaveHandle", "has_parallel_hdf5", "load", "save"]

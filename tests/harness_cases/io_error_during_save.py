@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.checkpoint import hdf5 as ck
+from dtorch_mpi.checkpoint import writer as ck
 
 path = sys.argv[1]
 world = MPI.COMM_WORLD

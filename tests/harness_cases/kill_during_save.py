@@ -10,7 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.checkpoint import hdf5 as ck
+from dtorch_mpi.checkpoint import writer as ck
 
 path = sys.argv[1]
 rank = MPI.COMM_WORLD.Get_rank()
@@ -21,7 +21,9 @@ if rank == 0:
     shutil.copyfile(path, path + ".A")
 MPI.COMM_WORLD.Barrier()
 
-real, calls = ck._writer_piece, [0]
+asynchronous = sys.argv[2:] == ["async"]  # then the kill comes in the writer thread, mid-file
+name = "_write_slab" if asynchronous else "_writer_piece"
+real, calls = getattr(ck, name), [0]
 
 
 def write_then_die(*args, **kwargs):
@@ -31,8 +33,10 @@ def write_then_die(*args, **kwargs):
     return real(*args, **kwargs)
 
 
-ck._writer_piece = write_then_die
+setattr(ck, name, write_then_die)
 for v in state.values():
     v.to_local()[...] = -1.0
-dt.save(state, path)
+handle = dt.save(state, path, async_op=asynchronous)
+if handle is not None:
+    handle.wait()
 print("the save finished: the kill did not happen", flush=True)
