@@ -19,6 +19,9 @@ from dtorch_mpi.comm.config import comm_path, set_comm_path
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0] + "/scripts")
 from bench_scale_percall import cases
+from conftest import RUN_ONCE
+
+pytestmark = RUN_ONCE  # pure simulations (planner arithmetic, a stand-in communicator): no rank count or path changes them
 
 LIBRARY = dt.__file__.rsplit("/", 1)[0]
 

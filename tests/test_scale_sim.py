@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import RUN_ONCE
 
 import dtorch_mpi as dt
 from dtorch_mpi.ops.cost import redistribute_cost
@@ -18,6 +19,8 @@ from dtorch_mpi.redistribute.planner import exchanges_directly
 from dtorch_mpi.redistribute.traffic import exchange_layout, lower_bound, received
 from dtorch_mpi.spec import DTensorSpec
 from dtorch_mpi.split import local_shape_and_offset
+
+pytestmark = RUN_ONCE  # pure simulations (planner arithmetic, a stand-in communicator): no rank count or path changes them
 
 R, S0, S1, S2 = dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Shard(2)
 
