@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from benchtools import timed
+from benchtools import numpy_work, timed
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -42,17 +42,6 @@ def cpu_seconds(fn: Callable[[], object], reps: int) -> float:
         fn()
         samples.append(WORLD.allreduce(time.process_time() - start, op=MPI.MAX))
     return statistics.median(samples)
-
-
-def numpy_work(seconds: float) -> Callable[[], object]:
-    """np.sin over an array sized (on rank 0, then shared) to take ``seconds``."""
-    probe = np.random.default_rng(0).random(1 << 18)
-    out = np.empty_like(probe)
-    per = timed(lambda: np.sin(probe, out=out), 11) / probe.size
-    n = WORLD.bcast(max(1, int(seconds / per)))
-    data = np.random.default_rng(1).random(n)
-    result = np.empty_like(data)
-    return lambda: np.sin(data, out=result)
 
 
 def async_then(work: Callable[[], object], x: dt.DTensor, mode: str) -> Callable[[], object]:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from benchtools import timed
+from benchtools import numpy_work
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -66,16 +66,8 @@ class Stack(nn.Module):
             self.work()
 
 
-def numpy_work(seconds: float) -> Callable[[], object]:
-    if seconds <= 0:
-        return lambda: None
-    probe = np.random.default_rng(0).random(1 << 16)
-    out = np.empty_like(probe)
-    per = timed(lambda: np.sin(probe, out=out), 7) / probe.size
-    n = WORLD.bcast(max(1, int(seconds / per)))
-    data = np.random.default_rng(1).random(n)
-    result = np.empty_like(data)
-    return lambda: np.sin(data, out=result)
+def step_numpy_work(seconds: float) -> Callable[[], object]:
+    return numpy_work(seconds, 1 << 16, 7)
 
 
 def offcore_work(seconds: float) -> Callable[[], object]:
@@ -128,7 +120,7 @@ def main() -> None:
               f"{'step/max':>8}   (ms, medians of the slowest rank)")
     bare = {p: make_step(p, mesh, args.layers, width, lambda: None, bucket) for p in ("compute", "fsdp")}
     for kind in args.kinds.split(","):
-        work = (offcore_work if kind == "offcore" else numpy_work)(args.work_ms / 1e3)
+        work = (offcore_work if kind == "offcore" else step_numpy_work)(args.work_ms / 1e3)
         steps = {p: make_step(p, mesh, args.layers, width, work, bucket)
                  for p in ("compute", "blocking", "replicate", "fsdp")}
         cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"], "bare fsdp": bare["fsdp"]}

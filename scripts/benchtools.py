@@ -81,3 +81,18 @@ def timed_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
             fn()
             times[name].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def numpy_work(seconds: float, probe_len: int = 1 << 18, reps: int = 11,
+               comm: MPI.Intracomm = MPI.COMM_WORLD) -> Callable[[], object]:
+    """np.sin over an array sized (on rank 0, then shared) to take ``seconds``: compute that
+    needs this rank's core (``seconds <= 0``: nothing)."""
+    if seconds <= 0:
+        return lambda: None
+    probe = np.random.default_rng(0).random(probe_len)
+    out = np.empty_like(probe)
+    per = timed(lambda: np.sin(probe, out=out), reps, comm) / probe.size
+    n = comm.bcast(max(1, int(seconds / per)))
+    data = np.random.default_rng(1).random(n)
+    result = np.empty_like(data)
+    return lambda: np.sin(data, out=result)
