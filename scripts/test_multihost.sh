@@ -55,7 +55,11 @@ run mpich-block "$MPIEXEC" -n 4 -hosts node1:2,node2:2 "${PYTEST[@]}" $SUITE
 run mpich-roundrobin "$MPIEXEC" -n 4 -hosts node1,node2 "${PYTEST[@]}" tests/test_multihost.py
 if [ -x "$OMPI/mpirun" ]; then
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  run openmpi-block "$OMPI/mpirun" --mca mpi_yield_when_idle 1 -n 4 --host node1:2,node2:2 \
+  # The Makefile exports an ":oversubscribe" default mapping policy for single-host runs; with
+  # it, mpirun --host node1:2,node2:2 puts all 4 ranks on node1. Block placement is asked for
+  # explicitly (slot mapping, no oversubscription), as a cluster user would.
+  run openmpi-block env -u PRTE_MCA_rmaps_default_mapping_policy -u OMPI_MCA_rmaps_base_oversubscribe \
+    "$OMPI/mpirun" --mca mpi_yield_when_idle 1 -n 4 --map-by slot:NOOVERSUBSCRIBE --host node1:2,node2:2 \
     -x TMPDIR -x DTORCH_TEST_MULTIHOST -x DTORCH_TEST_PRIVATE_TMP -x DTORCH_TEST_LOGDIR -x PYTHONUNBUFFERED \
     -x OMPI_ALLOW_RUN_AS_ROOT -x OMPI_ALLOW_RUN_AS_ROOT_CONFIRM \
     tests/rank_wrapper.sh "$OMPI/python" -m pytest -q --color=no -p no:cacheprovider --with-mpi $SUITE
