@@ -95,6 +95,16 @@ def _microseconds(text: str) -> float:
     return micros
 
 
+def _wait_spin(text: str) -> float:
+    try:
+        micros = float(text)
+    except ValueError:
+        raise ValueError(f"DTORCH_WAIT_SPIN={text!r} is not a number of microseconds") from None
+    if not micros >= 0:
+        raise ValueError(f"DTORCH_WAIT_SPIN={text!r} must be a number of microseconds >= 0")
+    return micros
+
+
 def _seed(text: str) -> int:
     try:
         return int(text)
@@ -125,6 +135,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DTORCH_COLLECTIVE_TIMEOUT", "seconds (a number; `0` turns the deadline off)", "600",
             "How long a collective may take before `CollectiveTimeoutError` names it.",
             _seconds, "first use", "comm/deadline.py", agreed=True),
+    Setting("DTORCH_WAIT_SPIN", "microseconds >= 0", "200",
+            "How long a rank waiting in a collective polls without pause before it backs off "
+            "to short sleeps (growing to 1 ms, at most an eighth of the time waited so far), "
+            "so waiting ranks leave shared cores to the ranks still working.",
+            _wait_spin, "first use", "comm/deadline.py"),
     Setting("DTORCH_BUFFER_POOL_BYTES", "byte count >= 0 (`0` turns reuse off)", str(256 << 20),
             "The most bytes the collective buffer pool keeps for reuse (oldest sizes go first).",
             _byte_count, "first use", "comm/pool.py"),

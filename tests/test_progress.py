@@ -133,3 +133,65 @@ def test_the_poll_interval_stays_bounded_however_long_a_wait_lasts() -> None:
     assert _interval_after(50e-6, 64) == 100e-6
     for polls in (10**3, 10**5, 10**7):
         assert _interval_after(50e-6, polls) == _MAX_INTERVAL
+
+
+class _DoneAfter:
+    """A request stand-in that completes ``seconds`` after it is made (the wait's loop only
+    calls ``Test``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def Test(self) -> bool:
+        return time.monotonic() >= self.end
+
+
+def _naps_of_a_wait(monkeypatch: pytest.MonkeyPatch, seconds: float) -> tuple[list[float], float]:
+    from dtorch_mpi.comm import deadline
+
+    naps: list[float] = []
+    real_sleep = time.sleep
+
+    def recording_sleep(s: float) -> None:
+        naps.append(s)
+        real_sleep(s)
+
+    monkeypatch.setattr(deadline.time, "sleep", recording_sleep)
+    start = time.monotonic()
+    deadline.wait_request(_DoneAfter(seconds), "a test wait")  # type: ignore[arg-type]
+    return naps, time.monotonic() - start
+
+
+def test_a_waiting_rank_backs_off_to_bounded_naps_after_spinning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait longer than DTORCH_WAIT_SPIN sleeps between polls (so it leaves a shared core to
+    the ranks still working); each nap at most 1 ms and at most an eighth of the time waited,
+    doubling from 20 µs."""
+    from dtorch_mpi import settings
+    from dtorch_mpi.comm.deadline import _FIRST_NAP, _LONGEST_NAP, next_nap
+
+    monkeypatch.setitem(settings._kept, "DTORCH_WAIT_SPIN", 200.0)
+    naps, took = _naps_of_a_wait(monkeypatch, 0.03)
+    assert naps, "a 30 ms wait never slept"
+    assert max(naps) <= _LONGEST_NAP and sum(naps) <= took
+    assert next_nap(0.0, 1.0) == _FIRST_NAP and next_nap(_FIRST_NAP, 1.0) == 2 * _FIRST_NAP
+    assert next_nap(_LONGEST_NAP, 10.0) == _LONGEST_NAP and next_nap(1e-4, 2e-4) == pytest.approx(2.5e-5)
+
+
+def test_a_wait_spins_without_sleeping_for_the_spin_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Within DTORCH_WAIT_SPIN a wait never sleeps (a short collective's latency is that of a
+    spinning wait); a huge spin time restores the pure spin."""
+    from dtorch_mpi import settings
+
+    monkeypatch.setitem(settings._kept, "DTORCH_WAIT_SPIN", 1e9)
+    naps, _ = _naps_of_a_wait(monkeypatch, 0.005)
+    assert naps == []
+
+
+@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+def test_a_wrong_wait_spin_is_a_clear_error(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtorch_mpi import settings
+
+    monkeypatch.setenv("DTORCH_WAIT_SPIN", value)
+    monkeypatch.delitem(settings._kept, "DTORCH_WAIT_SPIN", raising=False)
+    with pytest.raises(ValueError, match="DTORCH_WAIT_SPIN"):
+        settings.get("DTORCH_WAIT_SPIN")

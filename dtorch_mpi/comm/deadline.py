@@ -3,13 +3,18 @@
 ``CollectiveTimeoutError`` on the ranks waiting (PyTorch's process-group timeout is the anchor).
 
 Collectives are started nonblocking and waited on by polling ``Test``: MPI has no timed wait,
-and a blocking call cannot be interrupted. The loop spins (MPICH's own blocking wait spins
-too, and nonblocking collectives progress only inside MPI calls); every 16 polls it yields
-the CPU (``sched_yield``, so a peer rank sharing the core runs) and reads the clock. With the
-deadline off the same loop runs without the clock: the calls MPI sees do not depend on the
-setting, and the polled nonblocking forms are as fast as MPICH 5's blocking ones or faster
-(``Allgatherv`` 2-3.5x faster at 1-64 MB, far more on a busy machine; ``Alltoallv`` 1.3-1.7x;
-docs/performance.md).
+and a blocking call cannot be interrupted. The wait adapts (the classic spin-then-sleep
+back-off): for the first ``DTORCH_WAIT_SPIN`` microseconds (default 200) it polls without
+pause, yielding the CPU every 16 polls (``sched_yield``), so a short collective's latency is
+that of a spinning wait; after that it sleeps between bursts of 16 polls, the nap doubling from
+20 µs up to 1 ms and never longer than an eighth of the time waited so far (so a wait ends at
+most ~1/8 later than a spinning one would). A rank waiting for a slower peer thus stops
+burning the core that peer may share with it (oversubscribed runs, shared nodes); MPICH's and
+Open MPI's own blocking waits spin instead. The clock is read once per 16 polls, for the
+deadline and the back-off; with the deadline off the same loop runs without the timeout
+check: the calls MPI sees do not depend on the settings, and the polled nonblocking forms are
+as fast as MPICH 5's blocking ones or faster (``Allgatherv`` 2-3.5x faster at 1-64 MB;
+``Alltoallv`` 1.3-1.7x; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -43,19 +48,47 @@ def call_site() -> str:
     return "unknown"
 
 
+_POLLS_PER_CHECK = 16  # polls between clock reads (a Test with nothing to do costs ~1 µs)
+_FIRST_NAP = 2e-5
+_LONGEST_NAP = 1e-3
+_NAP_SHARE = 0.125  # a nap is at most this share of the time waited so far
+
+
+def wait_spin() -> float:
+    """Seconds a wait polls without pause before it backs off (``DTORCH_WAIT_SPIN``)."""
+    return settings.get("DTORCH_WAIT_SPIN") * 1e-6
+
+
+def next_nap(previous: float, waited: float) -> float:
+    """The back-off's next sleep: double the last (from ``_FIRST_NAP``), at most
+    ``_LONGEST_NAP`` and at most ``_NAP_SHARE`` of the seconds ``waited`` so far."""
+    return min(max(2.0 * previous, _FIRST_NAP), _LONGEST_NAP, _NAP_SHARE * waited)
+
+
 def wait_request(request: MPI.Request, what: str) -> None:
-    """Wait until ``request`` completes, or raise ``CollectiveTimeoutError`` naming ``what``."""
+    """Wait until ``request`` completes, or raise ``CollectiveTimeoutError`` naming ``what``.
+    Spins first, then backs off to growing naps (module docstring)."""
+    if request.Test():
+        return
     limit = collective_timeout()
+    spin = wait_spin()
     start = time.monotonic()
     polls = 0
+    nap = 0.0
     while not request.Test():
         polls += 1
-        if polls % 16 == 0:
+        if polls % _POLLS_PER_CHECK:
+            continue
+        waited = time.monotonic() - start
+        if limit > 0 and waited > limit:
+            raise CollectiveTimeoutError(
+                f"{what} did not complete within DTORCH_COLLECTIVE_TIMEOUT={limit:g}s "
+                f"(started at {call_site()}, rank {MPI.COMM_WORLD.Get_rank()}): some rank of the group "
+                f"did not make the matching call (it failed, hangs, or runs another collective). "
+                f"The communicator is unusable after this; end the job."
+            )
+        if waited < spin:
             os.sched_yield()  # let a peer rank sharing this core run (blocking MPI waits yield too)
-            if limit > 0 and time.monotonic() - start > limit:
-                raise CollectiveTimeoutError(
-                    f"{what} did not complete within DTORCH_COLLECTIVE_TIMEOUT={limit:g}s "
-                    f"(started at {call_site()}, rank {MPI.COMM_WORLD.Get_rank()}): some rank of the group "
-                    f"did not make the matching call (it failed, hangs, or runs another collective). "
-                    f"The communicator is unusable after this; end the job."
-                )
+        else:
+            nap = next_nap(nap, waited)
+            time.sleep(nap)
