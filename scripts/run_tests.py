@@ -91,13 +91,16 @@ def parse_pass(text: str, defaults: Pass) -> Pass:
     return spec
 
 
-def plan(passes: list[Pass]) -> list[tuple[Pass, str, int, bool]]:
+def plan(passes: list[Pass], other_path_sizes: set[int]) -> list[tuple[Pass, str, int, bool]]:
     """Every run: (pass, path, size, whether the path is the pass's first). The 1-process run is
     made on a pass's first path only: at one rank no collective reaches the backend
     (comm/prologue.py: a group of one returns at once), so the path cannot change it (the tests
-    that launch their own mpiexec are rank_independent and path_independent)."""
+    that launch their own mpiexec are rank_independent and path_independent). The other paths
+    run at ``other_path_sizes`` only (default 2 and 4: an even split and, with the suite's
+    lengths 5-7, uneven pieces; 3 ranks run on the first path, where ``auto`` takes the
+    variable-size collectives for uneven pieces anyway)."""
     return [(spec, path, size, i == 0) for spec in passes for i, path in enumerate(spec.paths)
-            for size in spec.sizes if i == 0 or size > 1]
+            for size in spec.sizes if i == 0 or (size > 1 and size in other_path_sizes)]
 
 
 def report_counts(path: str) -> dict[str, int] | None:
@@ -164,6 +167,8 @@ def main() -> int:
     ap.add_argument("--mpiexec", default=os.environ.get("MPIEXEC", "mpiexec"), help="the pip stack's launcher")
     ap.add_argument("--sizes", default="1,2,3,4", help="world sizes; 1 runs without mpiexec")
     ap.add_argument("--paths", default="auto,variable,padded", help="DTORCH_COMM_PATH values")
+    ap.add_argument("--other-path-sizes", default="2,4",
+                    help="world sizes at which the paths after the first run (of those in --sizes)")
     ap.add_argument("--run-timeout", type=int, default=900)
     ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
     ap.add_argument("--phdf5-mpiexec", default="mpiexec", help="the parallel-HDF5 stack's launcher")
@@ -184,7 +189,7 @@ def main() -> int:
         passes = passes[1 + bool(args.phdf5_python):]
 
     results = [run_one(spec, path, size, first, args.pytest_args, args.run_timeout)
-               for spec, path, size, first in plan(passes)]
+               for spec, path, size, first in plan(passes, {int(s) for s in args.other_path_sizes.split(",")})]
 
     total = dict.fromkeys(KEYS, 0)
     bad_runs = []
