@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from mpi4py import MPI
 
 _library_world: MPI.Intracomm | None = None
 
 
-def library_world() -> MPI.Intracomm:
-    """A duplicate of ``COMM_WORLD`` (made collectively on first use by the first mesh)."""
+def library_world(wait: Callable[[MPI.Request, str], None] | None = None) -> MPI.Intracomm:
+    """A duplicate of ``COMM_WORLD`` (made collectively on first use, normally by the first
+    mesh). Made with the nonblocking ``MPI_Comm_idup`` and waited on by ``wait`` (``DeviceMesh``
+    passes the collective deadline's wait: this is its first collective, so a rank that never
+    builds the first mesh leaves the others with ``CollectiveTimeoutError`` instead of a hang in
+    a blocking ``Dup``; without ``wait``, a plain ``Wait``)."""
     global _library_world
     if _library_world is None:
-        _library_world = MPI.COMM_WORLD.Dup()
-        _library_world.Set_name("dtorch_mpi world")
+        world, request = MPI.COMM_WORLD.Idup()
+        if wait is None:
+            request.Wait()
+        else:
+            wait(request, "DeviceMesh construction (the first mesh duplicates COMM_WORLD: MPI_Comm_idup)")
+        world.Set_name("dtorch_mpi world")
+        _library_world = world
     return _library_world
 
 

@@ -89,7 +89,7 @@ class DeviceMesh:
         mesh_dim_names: Sequence[str] | None = None,
     ) -> None:
         abort.install()  # an uncaught exception on one rank now ends the job (see abort.py)
-        world = library_world()
+        world = library_world(wait_request)
         problem: Exception | None = None
         try:
             array = _validate_mesh(device_type, mesh, mesh_dim_names, world.Get_size())

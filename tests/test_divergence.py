@@ -160,6 +160,21 @@ def test_divergences_without_a_meeting_check_end_at_the_deadline() -> None:
         assert f"rank {rank} raised SPMDDivergenceError" in out, out
 
 
+@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
+def test_a_rank_that_skips_the_first_mesh_leaves_the_others_at_the_deadline() -> None:
+    """The first mesh's first collective (the library's duplicate of COMM_WORLD) is bounded by
+    the deadline: it was a blocking Dup, and the others hung in it forever."""
+    proc = mpiexec(3, os.path.join(HERE, "rank_wrapper.sh"), sys.executable, "-m", "pytest", "-q", "-s",
+                   "--color=no", "--with-mpi", "-p", "no:randomly",
+                   os.path.join(HERE, "harness_cases", "case_mesh_deadline.py"), timeout=120,
+                   env=child_env(DTORCH_TEST_ALL_OUTPUT="1", DTORCH_COLLECTIVE_TIMEOUT="2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in range(2):
+        assert f"rank {rank} raised CollectiveTimeoutError: DeviceMesh construction" in out, out
+    assert "rank 2 skipped the mesh" in out, out
+
+
 @pytest.mark.skipif(SIZE != 4, reason="a 2 x 2 mesh")
 def test_mismatched_nested_shard_exchanges_raise_by_default(mesh2d: dt.DeviceMesh) -> None:
     """Two whole-mesh exchanges (nested-shard redistributes: one Alltoallv on the mesh
