@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from .grad_mode import enable_grad, is_grad_enabled, no_grad
+from ..grad_mode import enable_grad, is_grad_enabled, no_grad
 from .graph import (
     RemovableHandle,
     current_backward,

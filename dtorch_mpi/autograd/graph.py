@@ -31,8 +31,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import timeline as _trace
+from ..grad_mode import no_grad
 from .accumulate import accumulate
-from .grad_mode import no_grad
 
 if TYPE_CHECKING:
     from ..dtensor import DTensor

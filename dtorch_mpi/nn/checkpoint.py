@@ -22,10 +22,10 @@ from typing import Any
 
 from .. import random as _random
 from ..autograd.accumulate import accumulate
-from ..autograd.grad_mode import _GradMode, enable_grad, no_grad
 from ..autograd.graph import AccumulateGrad, Node, step
 from ..autograd.record import version_of
 from ..dtensor import DTensor
+from ..grad_mode import _GradMode, enable_grad, no_grad
 from .module import Module
 
 

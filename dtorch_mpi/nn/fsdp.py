@@ -50,11 +50,11 @@ from typing import Any
 import numpy as np
 
 from ..autograd.accumulate import accumulate
-from ..autograd.grad_mode import is_grad_enabled, no_grad
 from ..autograd.graph import current_backward, queue_callback, register_hook, register_post_accumulate_grad_hook
 from ..comm import backend_for
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError
+from ..grad_mode import is_grad_enabled, no_grad
 from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Replicate, Shard
 from ..redistribute import array_namespace, compile_plan

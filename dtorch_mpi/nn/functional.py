@@ -14,11 +14,11 @@ import numpy as np
 
 from .. import factory
 from ..arrays import array_namespace
-from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
 from ..autograd.record import needs_recording
 from ..dtensor import DTensor
 from ..errors import PlacementError
+from ..grad_mode import _GradMode
 from ..ops.catalog import log_softmax, softmax
 from ..placement import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec

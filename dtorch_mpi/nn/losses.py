@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 
 from ..arrays import array_namespace
-from ..autograd.grad_mode import _GradMode
 from ..autograd.graph import attach
 from ..autograd.record import needs_recording
 from ..dtensor import DTensor
 from ..errors import PlacementError, ShapeMismatchError
+from ..grad_mode import _GradMode
 from ..placement import Partial, Placement, Replicate, Shard
 from ..spec import DTensorSpec
 from .indices import require_in_range

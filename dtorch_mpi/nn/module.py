@@ -6,8 +6,8 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..autograd.grad_mode import note_requires_grad
 from ..dtensor import DTensor
+from ..grad_mode import note_requires_grad
 from ..stateful import InPlaceLoad, check_fill
 from .state import load_into
 

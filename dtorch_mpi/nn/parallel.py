@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import Any
 
-from ..autograd.grad_mode import is_grad_enabled
 from ..dtensor import DTensor
 from ..errors import ShapeMismatchError
+from ..grad_mode import is_grad_enabled
 from ..mesh import DeviceMesh
 from ..placement import Placement, Replicate, Shard
 from ..split import local_shape_and_offset

@@ -22,10 +22,10 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from ..autograd.grad_mode import _GradMode
 from ..autograd.record import needs_recording, record_op, version_of
 from ..dtensor import DTensor
 from ..errors import PlacementError
+from ..grad_mode import _GradMode
 from ..mesh import cached_per_mesh, live_caches
 from ..redistribute import run_compiled
 from ..spec import DTensorSpec
