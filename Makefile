@@ -142,8 +142,20 @@ else
 EMULATED_ARGS :=
 endif
 
+# The scale tier: correctness at 8 and 16 ranks (oversubscribed; the suite's shapes are tiny and
+# waiting ranks back off, so it stays short): every redistribute pair on 1-D, 2-D and 3-D meshes,
+# the collectives with uneven and empty pieces, and (at 8) the training plans. SCALE=0 skips it;
+# the simulated-scale checks (thousands of ranks) are pure tests in every run.
+SCALE ?= 1
+ifeq ($(SCALE),1)
+SCALE_ARGS := --extra-pass "scale-8 sizes=8 paths=auto tests=tests/test_redistribute.py,tests/test_comm.py,tests/test_training.py" \
+  --extra-pass "scale-16 sizes=16 paths=auto tests=tests/test_redistribute.py,tests/test_comm.py"
+else
+SCALE_ARGS :=
+endif
+
 test: $(TEST_DEPS)
-	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS) $(EMULATED_ARGS)
+	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS) $(EMULATED_ARGS) $(SCALE_ARGS)
 
 test-gpu-emulated: $(STAMP)
 	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --only-extra \

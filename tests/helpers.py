@@ -22,6 +22,16 @@ def integer_full(shape: tuple[int, ...], dtype: object = np.float64, seed: int =
     return np.random.default_rng(seed).integers(-50, 50, size=shape).astype(dtype)
 
 
+def _step_within(piece: np.ndarray, step: int, *, down: bool) -> np.ndarray | int:
+    """``step``, cut where an integer piece would leave its dtype's range (uint8 values of 10-60
+    minus 16 at 16 ranks wrapped to ~250 and became the max)."""
+    if piece.dtype.kind not in "ui":
+        return step
+    info = np.iinfo(piece.dtype)
+    room = piece.astype(np.int64) - info.min if down else info.max - piece.astype(np.int64)
+    return np.minimum(room, step).astype(piece.dtype)
+
+
 def make_pieces(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> np.ndarray:
     """This rank's piece, with Partial terms that differ per coordinate and reduce to ``full``."""
     shape, off = dt.compute_local_shape_and_offset(full.shape, mesh, placements)
@@ -34,9 +44,9 @@ def make_pieces(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Place
         if p.reduce_op == "sum":
             piece = piece - sum(range(1, m)) if c == 0 else np.full_like(piece, c)
         elif p.reduce_op == "max":
-            piece = piece if c == 0 else piece - (c + 1)
+            piece = piece if c == 0 else piece - _step_within(piece, c + 1, down=True)
         elif p.reduce_op == "min":
-            piece = piece if c == 0 else piece + (c + 1)
+            piece = piece if c == 0 else piece + _step_within(piece, c + 1, down=False)
     return on_mesh(mesh, np.ascontiguousarray(piece.astype(full.dtype)))
 
 
