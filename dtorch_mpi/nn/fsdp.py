@@ -51,7 +51,7 @@ import numpy as np
 
 from ..autograd.accumulate import accumulate
 from ..autograd.grad_mode import is_grad_enabled, no_grad
-from ..autograd.graph import current_backward, queue_callback, register_hook, register_post_accumulate_grad_hook
+from ..autograd.graph import BackwardJoin, current_backward, register_hook, register_post_accumulate_grad_hook
 from ..comm import backend_for
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError
@@ -138,7 +138,7 @@ class _Group:
     order: list["_Unit"] = field(default_factory=list)  # the last complete forward pass
     current: list["_Unit"] = field(default_factory=list)
     active: int = 0  # units of the group inside their forward now
-    frame: Any = None  # the backward this group queued its end callback in
+    backward: BackwardJoin = field(default_factory=BackwardJoin)  # the backward it queued its end in
     reducing: list[tuple[_Slot, DTensor]] = field(default_factory=list)
 
     def neighbour(self, unit: "_Unit", step: int) -> "_Unit | None":
@@ -149,12 +149,7 @@ class _Group:
         return self.order[i] if 0 <= i < len(self.order) else None
 
     def join_backward(self) -> None:
-        frame = current_backward()
-        if frame is not None and self.frame is not frame:
-            if self.frame is not None:  # the previous backward raised before its end callback
-                self.discard_backward()
-            self.frame = frame
-            queue_callback(self.finish_backward)
+        self.backward.join(self.discard_backward, self.finish_backward)
 
     def discard_backward(self) -> None:
         """Forget a failed backward's state: its reductions complete but add to no .grad."""
@@ -190,7 +185,7 @@ class _Group:
             unit.reduced = False
             for s in unit.slots:
                 s.ready = False
-        self.frame = None
+        self.backward.leave()
 
 
 class _Unit:
