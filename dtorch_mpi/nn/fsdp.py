@@ -156,12 +156,18 @@ class _Group:
         for _, pending in self.reducing:
             pending.wait()
         self.reducing = []
+        self.reset_units(drop_gathered_grads=True)
+
+    def reset_units(self, drop_gathered_grads: bool) -> None:
+        """Every unit as between backwards: freed, not reduced, no gradient ready (a failed
+        backward's gathered gradients are dropped too: they add to no .grad)."""
         for unit in self.units:
             unit.free()
             unit.reduced = False
             for s in unit.slots:
                 s.ready = False
-                s.gathered.grad = None
+                if drop_gathered_grads:
+                    s.gathered.grad = None
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters in flight; add each result to its parameter's .grad."""
@@ -180,11 +186,7 @@ class _Group:
             if any(s.ready for s in unit.slots) and not unit.reduced:
                 unit.reduce()  # some gradients never came: reduce the ones that did
         self.finish_reductions()
-        for unit in self.units:
-            unit.free()
-            unit.reduced = False
-            for s in unit.slots:
-                s.ready = False
+        self.reset_units(drop_gathered_grads=False)
         self.backward.leave()
 
 
