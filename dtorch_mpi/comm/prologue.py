@@ -131,9 +131,9 @@ class Prologued:
              facts: dict[str, Any], empty: bool, nbytes: int, async_op: bool, start: Callable[..., Handle],
              *args: Any) -> Handle:
         """Steps 2-6 (the caller did step 1): ``start(*args)`` is the backend's method with the
-        call's arguments. ``facts`` is :data:`_NO_FACTS` exactly when neither
-        a check nor a counter can be on (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are
-        the call's group-wide shape and payload bytes."""
+        call's arguments. ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a
+        counter can be on (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's
+        group-wide shape and payload bytes."""
         collective_starting()
         twin = _TWINS.get(id(group.comm))
         if facts is not _NO_FACTS and (spmd_debug() or (twin is not None and nbytes >= CHECK_FROM
