@@ -21,7 +21,7 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["READ_AT", "SETTINGS", "TOOLING", "Setting", "agreed", "get", "parse", "put", "unknown"]
 
@@ -68,48 +68,23 @@ def _on_unless_off(text: str) -> bool:
     return text.strip().lower() not in ("0", "false", "no", "off")
 
 
-def _seconds(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"DTORCH_COLLECTIVE_TIMEOUT={text!r} is not a number of seconds") from None
+N = TypeVar("N", int, float)
 
 
-def _byte_count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"DTORCH_BUFFER_POOL_BYTES={text!r} must be a byte count >= 0 (0 turns buffer reuse off)")
-    return value
+def _number(name: str, convert: Callable[[str], N], not_one: str,
+            refused: Callable[[N], bool] = lambda value: False, refusal: str | None = None) -> Callable[[str], N]:
+    """A number's parser: text ``convert`` (int, float) rejects raises "NAME='text' <not_one>",
+    a value ``refused`` (out of range) "NAME='text' <refusal>" (by default the same phrase)."""
+    def parse(text: str) -> N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise ValueError(f"{name}={text!r} {not_one}") from None
+        if refused(value):
+            raise ValueError(f"{name}={text!r} {refusal or not_one}")
+        return value
 
-
-def _microseconds(text: str) -> float:
-    try:
-        micros = float(text)
-    except ValueError:
-        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={text!r} is not a number of microseconds") from None
-    if micros <= 0:
-        raise ValueError(f"DTORCH_PROGRESS_INTERVAL={text!r} must be a positive number of microseconds")
-    return micros
-
-
-def _wait_spin(text: str) -> float:
-    try:
-        micros = float(text)
-    except ValueError:
-        raise ValueError(f"DTORCH_WAIT_SPIN={text!r} is not a number of microseconds") from None
-    if not micros >= 0:
-        raise ValueError(f"DTORCH_WAIT_SPIN={text!r} must be a number of microseconds >= 0")
-    return micros
-
-
-def _seed(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"DTORCH_SEED={text!r} is not an integer") from None
+    return parse
 
 
 COMM_PATHS = ("auto", "padded", "variable")
@@ -134,22 +109,27 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             _on_unless_empty_or_zero, "first use", "comm/config.py", agreed=True),
     Setting("DTORCH_COLLECTIVE_TIMEOUT", "seconds (a number; `0` turns the deadline off)", "600",
             "How long a collective may take before `CollectiveTimeoutError` names it.",
-            _seconds, "first use", "comm/deadline.py", agreed=True),
+            _number("DTORCH_COLLECTIVE_TIMEOUT", float, "is not a number of seconds"),
+            "first use", "comm/deadline.py", agreed=True),
     Setting("DTORCH_WAIT_SPIN", "microseconds >= 0", "200",
             "How long a rank waiting in a collective polls without pause before it backs off "
             "to short sleeps (growing to 1 ms, at most an eighth of the time waited so far), "
             "so waiting ranks leave shared cores to the ranks still working.",
-            _wait_spin, "first use", "comm/deadline.py"),
+            _number("DTORCH_WAIT_SPIN", float, "is not a number of microseconds",
+                    lambda us: not us >= 0, "must be a number of microseconds >= 0"),
+            "first use", "comm/deadline.py"),
     Setting("DTORCH_BUFFER_POOL_BYTES", "byte count >= 0 (`0` turns reuse off)", str(256 << 20),
             "The most bytes the collective buffer pool keeps for reuse (oldest sizes go first).",
-            _byte_count, "first use", "comm/pool.py"),
+            _number("DTORCH_BUFFER_POOL_BYTES", int, "must be a byte count >= 0 (0 turns buffer reuse off)",
+                    lambda n: n < 0), "first use", "comm/pool.py"),
     Setting("DTORCH_ASYNC_PROGRESS", "`thread` \\| `off`", "thread",
             "Who advances nonblocking collectives: a daemon thread (where MPI runs at "
             "`MPI_THREAD_MULTIPLE`; below that it is `off`), or only the library's own calls.",
             _choice("DTORCH_ASYNC_PROGRESS", PROGRESS_MODES, ": use one of"), "per call", "comm/progress.py"),
     Setting("DTORCH_PROGRESS_INTERVAL", "microseconds > 0", "50",
             "The progress thread's base poll interval.",
-            _microseconds, "per call", "comm/progress.py"),
+            _number("DTORCH_PROGRESS_INTERVAL", float, "is not a number of microseconds",
+                    lambda us: us <= 0, "must be a positive number of microseconds"), "per call", "comm/progress.py"),
     Setting("DTORCH_GPU_BACKEND", "`auto` or a registered cuda backend (`nccl` \\| `cuda-aware-mpi` "
             "\\| `host-staging`)", "auto",
             "The backend of `cuda` meshes; `auto` takes NCCL where every rank has a GPU of its "
@@ -165,7 +145,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             _on_unless_off, "mesh creation", "abort.py"),
     Setting("DTORCH_SEED", "integer", "0",
             "The seed of the counter-based random sequence (the same on every rank).",
-            _seed, "first use", "random.py"),
+            _number("DTORCH_SEED", int, "is not an integer"), "first use", "random.py"),
     Setting("DTORCH_TRACE", "a file path (empty: off)", "",
             "Trace the whole program: a Chrome-trace / Perfetto timeline of collectives, backward "
             "nodes and spans, written at exit as `PATH` with `.rank<r>` before the suffix.",

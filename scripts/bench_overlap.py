@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from benchtools import numpy_work, timed
+from benchtools import numpy_work, timed, timed_interleaved
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -83,16 +83,7 @@ def main() -> None:
                 "async/off": async_then(work, x, "off"),
                 "async/thread": async_then(work, x, "thread"),
             }
-            samples: dict[str, list[float]] = {name: [] for name in cases}
-            for fn in cases.values():
-                fn()  # warm-up
-            for _ in range(args.reps):
-                for name, fn in cases.items():
-                    WORLD.Barrier()
-                    start = time.perf_counter()
-                    fn()
-                    samples[name].append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
-            med = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+            med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD).items()}
             longest = max(med["comm"], med["work"])
             floor = med["work"] + (comm_cpu * 1e3 if kind == "numpy" else 0.0)
             if WORLD.rank == 0:

@@ -30,12 +30,11 @@ import os
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one core per rank: a threaded
     os.environ.setdefault(_var, "1")  # BLAS made each backward matmul 10x slower on this loaded machine
-import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
-from benchtools import numpy_work
+from benchtools import numpy_work, timed_interleaved
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -125,16 +124,8 @@ def main() -> None:
                  for p in ("compute", "blocking", "replicate", "fsdp")}
         cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"], "bare fsdp": bare["fsdp"]}
         for fn in cases.values():
-            fn()  # warm-up (replicate fixes its bucket order on the first)
-            fn()
-        samples: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(args.reps):
-            for name, fn in cases.items():
-                WORLD.Barrier()
-                start = time.perf_counter()
-                fn()
-                samples[name].append(WORLD.allreduce(time.perf_counter() - start, op=MPI.MAX))
-        med = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+            fn()  # a first warm-up (replicate fixes its bucket order on it); timed_interleaved runs the second
+        med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD).items()}
         comm = {"blocking": med["blocking"] - med["compute"], "replicate": med["blocking"] - med["compute"],
                 "fsdp": med["bare fsdp"] - med["bare compute"]}
         if WORLD.rank == 0:

@@ -4,8 +4,9 @@ checks it is current."""
 
 from __future__ import annotations
 
-import os
 import sys
+
+from docpages import write_page
 
 from dtorch_mpi.settings import READ_AT, SETTINGS, TOOLING
 
@@ -44,12 +45,7 @@ def render() -> str:
 
 
 def main() -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(root, "docs", "settings.md")
-    with open(path, "w") as fh:
-        fh.write(render())
-    print(f"wrote {path}")
-    return 0
+    return write_page("settings.md", render())
 
 
 if __name__ == "__main__":

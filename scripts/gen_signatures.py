@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
+
+from docpages import write_page
 
 from dtorch_mpi.ops import OPS
 
@@ -54,13 +55,7 @@ def render() -> str:
 
 
 def main() -> int:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(root, "docs", "signatures.md")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write(render())
-    print(f"wrote {path}")
-    return 0
+    return write_page("signatures.md", render())
 
 
 if __name__ == "__main__":

@@ -198,6 +198,33 @@ def queue_callback(fn: Callable[[], None]) -> None:
     _frames[-1].callbacks.append(fn)
 
 
+class BackwardJoin:
+    """A hook user's hold on the backward it works for (fully_shard, replicate): its hooks call
+    ``join``, and the first call during a backward queues the user's end callback for it. A
+    previous backward that raised before its end (so its callback never ran) is discarded
+    first; the end callback calls ``leave()``."""
+
+    __slots__ = ("frame",)
+
+    def __init__(self) -> None:
+        self.frame: _Frame | None = None  # the backward joined, until its end callback leaves
+
+    def join(self, discard: Callable[[], None], finish: Callable[[], None]) -> bool:
+        """Join the running backward: True when this call did (the caller starts its
+        per-backward state then), False outside a backward or when joined already."""
+        frame = current_backward()
+        if frame is None or frame is self.frame:
+            return False
+        if self.frame is not None:  # the previous backward raised before its end callback
+            discard()
+        self.frame = frame
+        queue_callback(finish)
+        return True
+
+    def leave(self) -> None:
+        self.frame = None
+
+
 def run_backward(root: "DTensor", grad: "DTensor", retain_graph: bool = False) -> None:
     """Propagate ``grad`` (d loss / d root) to every leaf that requires grad.
 

@@ -68,6 +68,37 @@ def _wants_facts(nbytes: int) -> bool:
     return bool(counter._active) or nbytes >= CHECK_FROM or spmd_debug()
 
 
+def _all_to_all_traffic(group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
+                        concat_axis: int, concat_sizes: Sequence[int], async_op: bool) -> tuple[int, int]:
+    """Every block but this rank's own: its own block neither leaves nor arrives."""
+    me = group.rank
+    own_send = send.nbytes // max(send.shape[split_axis], 1) * split_sizes[me]
+    own_recv = out.nbytes // max(out.shape[concat_axis], 1) * concat_sizes[me]
+    return send.nbytes - own_send, out.nbytes - own_recv
+
+
+def _exchange_traffic(group: Group, send: Any, out: Any, layout: Any, async_op: bool) -> tuple[int, int]:
+    """The blocks of ``layout`` (traffic.ExchangeLayout) this rank sends and receives."""
+    item = out.dtype.itemsize
+    return (item * sum(prod(b - a for a, b in r) for _, r in layout.sends),
+            item * sum(prod(b - a for a, b in r) for _, r in layout.recvs))
+
+
+# Step 5: the payload bytes (sent, received) on this rank, per kind, from the backend method's
+# own arguments (``group, send, out, ..., async_op``; a broadcast's ``group, buf, root, async_op``).
+_TRAFFIC: dict[str, Callable[..., tuple[int, int]]] = {
+    "all_gather": lambda group, send, out, *_: (send.nbytes, out.nbytes - send.nbytes),
+    "all_to_all": _all_to_all_traffic,
+    "all_reduce": lambda group, send, out, *_: (send.nbytes, out.nbytes),
+    "reduce_scatter": lambda group, send, out, *_: (send.nbytes - out.nbytes, (group.size - 1) * out.nbytes),
+    "broadcast": lambda group, buf, root, _: (
+        (buf.nbytes * (group.size - 1), 0) if group.rank == root else (0, buf.nbytes)),
+    "scatter": lambda group, send, out, axis, sizes, root, _: (
+        (send.nbytes - out.nbytes if send is not None else 0, 0) if group.rank == root else (0, out.nbytes)),
+    "exchange": _exchange_traffic,
+}
+
+
 class Prologued:
     """``inner`` with the prologue around each of its six collectives (see the module doc)."""
 
@@ -96,17 +127,13 @@ class Prologued:
 
         check_same_call(group, fp, describe)
 
-    def _record(self, group: Group, kind: str, send: Any, out: Any, facts: dict[str, Any],
-                sent: int, recv: int, async_op: bool) -> None:
-        """Step 5 (only called while a CommCounter is on)."""
-        counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
-
-    def _enter(self, group: Group, kind: str, shape: Callable[[], tuple[int, ...]], send: Any, out: Any,
-               facts: dict[str, Any], empty: bool, nbytes: int) -> Handle | None:
-        """Steps 2-4 (the caller did step 1): the finished handle when nothing moves, else None.
-        ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a counter can be on
-        (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's group-wide shape and
-        payload bytes."""
+    def _run(self, group: Group, kind: str, shape: Callable[[], tuple[int, ...]], send: Any, out: Any,
+             facts: dict[str, Any], empty: bool, nbytes: int, async_op: bool, start: Callable[..., Handle],
+             *args: Any) -> Handle:
+        """Steps 2-6 (the caller did step 1): ``start(*args)`` is the backend's method with the
+        call's arguments. ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a
+        counter can be on (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's
+        group-wide shape and payload bytes."""
         collective_starting()
         twin = _TWINS.get(id(group.comm))
         if facts is not _NO_FACTS and (spmd_debug() or (twin is not None and nbytes >= CHECK_FROM
@@ -116,10 +143,10 @@ class Prologued:
             return completed(out)
         if twin is not None:
             twin.seq += 1
-        return None
-
-    @staticmethod
-    def _finish(handle: Handle, async_op: bool) -> Handle:
+        if counter._active:
+            sent, recv = _TRAFFIC[kind](*args)
+            counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
+        handle = start(*args)
         if counter.on_started is not None:  # a trace is on (dtorch_mpi/timeline.py)
             handle = counter.on_started(handle, async_op)
         if not async_op:
@@ -132,12 +159,8 @@ class Prologued:
             return _alone(send, out)
         nbytes = out.nbytes
         facts = {"axis": axis, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
-        if (done := self._enter(group, "all_gather", lambda: out.shape, send, out, facts, out.size == 0,
-                                nbytes)) is not None:
-            return done
-        if counter._active:
-            self._record(group, "all_gather", send, out, facts, send.nbytes, out.nbytes - send.nbytes, async_op)
-        return self._finish(self.inner.all_gather(group, send, out, axis, sizes, async_op), async_op)
+        return self._run(group, "all_gather", lambda: out.shape, send, out, facts, out.size == 0, nbytes,
+                         async_op, self.inner.all_gather, group, send, out, axis, sizes, async_op)
 
     def all_to_all(self, group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
                    concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Handle:
@@ -150,29 +173,17 @@ class Prologued:
                  "concat_sizes": tuple(concat_sizes)} if _wants_facts(nbytes) else _NO_FACTS
         # all ranks' blocks empty (a group-wide fact); a non-empty ``send`` already says no
         empty = not send.size and not nbytes
-        if (done := self._enter(group, "all_to_all", lambda: _with(send.shape, concat_axis, sum(concat_sizes)),
-                                send, out, facts, empty, nbytes)) is not None:
-            return done
-        if counter._active:
-            me = group.rank
-            own_send = send.nbytes // max(send.shape[split_axis], 1) * split_sizes[me]
-            own_recv = out.nbytes // max(out.shape[concat_axis], 1) * concat_sizes[me]
-            self._record(group, "all_to_all", send, out, facts, send.nbytes - own_send, out.nbytes - own_recv,
-                         async_op)
-        return self._finish(self.inner.all_to_all(group, send, out, split_axis, split_sizes, concat_axis,
-                                                  concat_sizes, async_op), async_op)
+        return self._run(group, "all_to_all", lambda: _with(send.shape, concat_axis, sum(concat_sizes)), send, out,
+                         facts, empty, nbytes, async_op, self.inner.all_to_all,
+                         group, send, out, split_axis, split_sizes, concat_axis, concat_sizes, async_op)
 
     def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
         nbytes = out.nbytes
         facts = {"op": reduce_op} if _wants_facts(nbytes) else _NO_FACTS
-        if (done := self._enter(group, "all_reduce", lambda: out.shape, send, out, facts, out.size == 0,
-                                nbytes)) is not None:
-            return done
-        if counter._active:
-            self._record(group, "all_reduce", send, out, facts, send.nbytes, out.nbytes, async_op)
-        return self._finish(self.inner.all_reduce(group, send, out, reduce_op, async_op), async_op)
+        return self._run(group, "all_reduce", lambda: out.shape, send, out, facts, out.size == 0, nbytes,
+                         async_op, self.inner.all_reduce, group, send, out, reduce_op, async_op)
 
     def reduce_scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
                        reduce_op: str, async_op: bool = False) -> Handle:
@@ -180,29 +191,16 @@ class Prologued:
             return _alone(send, out)
         nbytes = send.nbytes
         facts = {"axis": axis, "op": reduce_op, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
-        if (done := self._enter(group, "reduce_scatter", lambda: send.shape, send, out, facts, send.size == 0,
-                                nbytes)) is not None:
-            return done
-        if counter._active:
-            self._record(group, "reduce_scatter", send, out, facts, send.nbytes - out.nbytes,
-                         (group.size - 1) * out.nbytes, async_op)
-        return self._finish(self.inner.reduce_scatter(group, send, out, axis, sizes, reduce_op, async_op),
-                            async_op)
+        return self._run(group, "reduce_scatter", lambda: send.shape, send, out, facts, send.size == 0, nbytes,
+                         async_op, self.inner.reduce_scatter, group, send, out, axis, sizes, reduce_op, async_op)
 
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Handle:
         if group.size == 1:
             return completed(buf)
         nbytes = buf.nbytes
         facts = {"root": root} if _wants_facts(nbytes) else _NO_FACTS
-        if (done := self._enter(group, "broadcast", lambda: buf.shape, buf, buf, facts, buf.size == 0,
-                                nbytes)) is not None:
-            return done
-        if counter._active:
-            root_here = group.rank == root
-            self._record(group, "broadcast", buf, buf, facts,
-                         buf.nbytes * (group.size - 1) if root_here else 0, 0 if root_here else buf.nbytes,
-                         async_op)
-        return self._finish(self.inner.broadcast(group, buf, root, async_op), async_op)
+        return self._run(group, "broadcast", lambda: buf.shape, buf, buf, facts, buf.size == 0, nbytes,
+                         async_op, self.inner.broadcast, group, buf, root, async_op)
 
     def scatter(self, group: Group, send: Any | None, out: Any, axis: int, sizes: Sequence[int], root: int,
                 async_op: bool = False) -> Handle:
@@ -210,16 +208,8 @@ class Prologued:
             return _alone(send, out)
         nbytes = out.itemsize * sum(sizes) * _others(out.shape, axis)
         facts = {"axis": axis, "root": root, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
-        empty = not nbytes
-        if (done := self._enter(group, "scatter", lambda: _with(out.shape, axis, sum(sizes)), send, out, facts,
-                                empty, nbytes)) is not None:
-            return done
-        if counter._active:
-            root_here = group.rank == root
-            self._record(group, "scatter", send, out, facts,
-                         send.nbytes - out.nbytes if root_here and send is not None else 0,
-                         0 if root_here else out.nbytes, async_op)
-        return self._finish(self.inner.scatter(group, send, out, axis, sizes, root, async_op), async_op)
+        return self._run(group, "scatter", lambda: _with(out.shape, axis, sum(sizes)), send, out, facts,
+                         not nbytes, nbytes, async_op, self.inner.scatter, group, send, out, axis, sizes, root, async_op)
 
     def exchange(self, group: Group, send: Any, out: Any, layout: Any, shared: tuple[Any, ...] = (),
                  async_op: bool = False) -> Handle:
@@ -233,10 +223,5 @@ class Prologued:
         shape = tuple(shared[0]) if shared else tuple(out.shape)
         nbytes = out.itemsize * prod(shape)
         facts = ({"src": shared[1], "dst": shared[2]} if shared else {}) if _wants_facts(nbytes) else _NO_FACTS
-        self._enter(group, "exchange", lambda: shape, send, out, facts, False, nbytes)
-        if counter._active:
-            item = out.dtype.itemsize
-            self._record(group, "exchange", send, out, facts,
-                         item * sum(prod(b - a for a, b in r) for _, r in layout.sends),
-                         item * sum(prod(b - a for a, b in r) for _, r in layout.recvs), async_op)
-        return self._finish(self.inner.exchange(group, send, out, layout, async_op), async_op)  # type: ignore[attr-defined]
+        return self._run(group, "exchange", lambda: shape, send, out, facts, False, nbytes,
+                         async_op, self.inner.exchange, group, send, out, layout, async_op)  # type: ignore[attr-defined]

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from ..autograd.accumulate import accumulate
-from ..autograd.graph import current_backward, queue_callback, register_hook, register_post_accumulate_grad_hook
+from ..autograd.graph import BackwardJoin, current_backward, register_hook, register_post_accumulate_grad_hook
 from ..comm import backend_for
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError
@@ -138,7 +138,7 @@ class _Group:
     order: list["_Unit"] = field(default_factory=list)  # the last complete forward pass
     current: list["_Unit"] = field(default_factory=list)
     active: int = 0  # units of the group inside their forward now
-    frame: Any = None  # the backward this group queued its end callback in
+    backward: BackwardJoin = field(default_factory=BackwardJoin)  # the backward it queued its end in
     reducing: list[tuple[_Slot, DTensor]] = field(default_factory=list)
 
     def neighbour(self, unit: "_Unit", step: int) -> "_Unit | None":
@@ -149,24 +149,25 @@ class _Group:
         return self.order[i] if 0 <= i < len(self.order) else None
 
     def join_backward(self) -> None:
-        frame = current_backward()
-        if frame is not None and self.frame is not frame:
-            if self.frame is not None:  # the previous backward raised before its end callback
-                self.discard_backward()
-            self.frame = frame
-            queue_callback(self.finish_backward)
+        self.backward.join(self.discard_backward, self.finish_backward)
 
     def discard_backward(self) -> None:
         """Forget a failed backward's state: its reductions complete but add to no .grad."""
         for _, pending in self.reducing:
             pending.wait()
         self.reducing = []
+        self.reset_units(drop_gathered_grads=True)
+
+    def reset_units(self, drop_gathered_grads: bool) -> None:
+        """Every unit as between backwards: freed, not reduced, no gradient ready (a failed
+        backward's gathered gradients are dropped too: they add to no .grad)."""
         for unit in self.units:
             unit.free()
             unit.reduced = False
             for s in unit.slots:
                 s.ready = False
-                s.gathered.grad = None
+                if drop_gathered_grads:
+                    s.gathered.grad = None
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters in flight; add each result to its parameter's .grad."""
@@ -185,12 +186,8 @@ class _Group:
             if any(s.ready for s in unit.slots) and not unit.reduced:
                 unit.reduce()  # some gradients never came: reduce the ones that did
         self.finish_reductions()
-        for unit in self.units:
-            unit.free()
-            unit.reduced = False
-            for s in unit.slots:
-                s.ready = False
-        self.frame = None
+        self.reset_units(drop_gathered_grads=False)
+        self.backward.leave()
 
 
 class _Unit:

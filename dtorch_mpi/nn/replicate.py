@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..autograd.graph import current_backward, queue_callback, register_post_accumulate_grad_hook
+from ..autograd.graph import BackwardJoin, register_post_accumulate_grad_hook
 from ..comm import Group, backend_for
 from ..dtensor import DTensor
 from ..errors import PlacementError
@@ -90,7 +90,7 @@ class _Replicated:
         self.seen: list[int] = []  # completion order in this backward
         self.ready: set[int] = set()
         self.next = 0  # first bucket not started
-        self.frame: Any = None
+        self.backward = BackwardJoin()
         self.syncing = True
 
     def _index(self) -> dict[int, int]:
@@ -101,15 +101,10 @@ class _Replicated:
 
     # --- during backward ----------------------------------------------------------------
     def join_backward(self) -> None:
-        frame = current_backward()
-        if frame is not None and self.frame is not frame:
-            if self.frame is not None:  # the previous backward raised before its end callback
-                self.discard()
-            self.frame = frame
+        if self.backward.join(self.discard, self.finish):
             for b in self.buckets:
                 b.waiting, b.started, b.flights = len(b.params), False, []
             self.seen, self.ready, self.next = [], set(), 0
-            queue_callback(self.finish)
 
     def grad_complete(self, i: int) -> None:
         if not self.syncing:
@@ -164,7 +159,7 @@ class _Replicated:
         self.next = len(self.buckets)
         for bucket in self.buckets:
             self._land(bucket)
-        self.frame = None
+        self.backward.leave()
         if not self.fixed:
             order = self.seen + [i for i in range(len(self.params))[::-1] if i not in self.ready]
             require_same(self.mesh.get_comm(), {"order": tuple(order)},
@@ -198,7 +193,7 @@ class _Replicated:
                 if out is not None:  # an all-reduce (any handle: a traced one too)
                     work.wait()
             bucket.flights = []
-        self.frame = None
+        self.backward.leave()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

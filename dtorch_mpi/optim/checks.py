@@ -119,19 +119,39 @@ _REHOME = ("re-home the state with opt.load_state_dict(opt.state_dict()) (it red
            "tensor to its parameter's current placements), or build the optimizer after parallelize_module")
 
 
+# What a parameter's companion tensor (its gradient, an optimizer state tensor) shares with it,
+# in the order checked: step() updates pieces in place, so the pieces must line up one to one.
+_LIKE_PARAMETER = (
+    ("device_mesh", MeshMismatchError),
+    ("shape", ShapeMismatchError),
+    ("placements", PlacementError),
+    ("dtype", DTypeMismatchError),
+)
+
+
+def check_like_parameter(what: str, p: DTensor, t: DTensor, says: Mapping[str, str]) -> None:
+    """``t`` has ``p``'s mesh, shape, placements and dtype; the first that differs raises its
+    error with the message ``says[attribute]``, a template formatted with ``what``, ``p``, ``t``
+    and ``placements`` (``t``'s, as a list). One order and one error class per attribute for
+    every caller (metadata only: every rank gives the same verdict)."""
+    for attribute, error in _LIKE_PARAMETER:
+        if getattr(t, attribute) != getattr(p, attribute):
+            raise error(says[attribute].format(what=what, p=p, t=t, placements=list(t.placements)))
+
+
+_STATE_SAYS = {
+    "device_mesh": "{what} lives on another mesh ({t.device_mesh!r}); load the state onto the parameter's "
+                   "mesh (opt.load_state_dict with complete arrays)",
+    "shape": "{what} has shape {t.shape}; the state belongs to another parameter",
+    "placements": "{what} has placements {placements}: the parameter was re-placed after its state was made, "
+                  "and step() moves no data; " + _REHOME,
+    "dtype": "{what} is {t.dtype}, the parameter {p.dtype}; " + _REHOME,
+}
+
+
 def _check_state_tensor(label: str, p: DTensor, name: str, t: DTensor) -> None:
-    what = f"{label} ({list(p.placements)}, shape {p.shape}): its optimizer state {name!r}"
-    if t.device_mesh != p.device_mesh:
-        raise MeshMismatchError(f"{what} lives on another mesh ({t.device_mesh!r}); load the state "
-                                f"onto the parameter's mesh (opt.load_state_dict with complete arrays)")
-    if t.shape != p.shape:
-        raise ShapeMismatchError(f"{what} has shape {t.shape}; the state belongs to another parameter")
-    if t.placements != p.placements:
-        raise PlacementError(
-            f"{what} has placements {list(t.placements)}: the parameter was re-placed after its state "
-            f"was made, and step() moves no data; {_REHOME}")
-    if t.dtype != p.dtype:
-        raise DTypeMismatchError(f"{what} is {t.dtype}, the parameter {p.dtype}; {_REHOME}")
+    check_like_parameter(f"{label} ({list(p.placements)}, shape {p.shape}): its optimizer state {name!r}",
+                         p, t, _STATE_SAYS)
 
 
 def state_index(key: Any) -> int:

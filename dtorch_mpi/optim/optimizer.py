@@ -14,9 +14,9 @@ from .._mpi import library_world
 from ..arrays import array_namespace
 from ..autograd.record import version_of
 from ..dtensor import DTensor
-from ..errors import DTypeMismatchError, MeshMismatchError, PlacementError, ShapeMismatchError, StateDictError
+from ..errors import PlacementError, StateDictError
 from ..spmd import agreed
-from .checks import check_state, group_indices, state_index, step_count
+from .checks import check_like_parameter, check_state, group_indices, state_index, step_count
 
 ParamsArg = Iterable[DTensor] | Iterable[tuple[str, DTensor]] | Iterable[dict[str, Any]]
 
@@ -248,6 +248,15 @@ class PendingLoad:
         self.optimizer.state = self.state
 
 
+_GRAD_SAYS = {
+    "device_mesh": "{what}: its gradient lives on another mesh ({t.device_mesh!r})",
+    "shape": "{what}: its gradient has shape {t.shape}",
+    "placements": "{what}: its gradient has placements {placements}; step() moves no data, so gradients must "
+                  "have their parameters' placements: " + _FIX,
+    "dtype": "{what} is {p.dtype}: its gradient is {t.dtype}; cast the gradient",
+}
+
+
 def _check_grad(label: str, p: DTensor, g: DTensor) -> None:
     """A gradient must match its parameter's spec (metadata only: the same verdict everywhere)."""
     name = f"{label} ({list(p.placements)}, shape {p.shape})"
@@ -257,13 +266,4 @@ def _check_grad(label: str, p: DTensor, g: DTensor) -> None:
             f"redistribute the parameter to Replicate() or Shard() before optimizing it")
     if not isinstance(g, DTensor):
         raise TypeError(f"{name}: .grad is a {type(g).__name__}, not a DTensor")
-    if g.device_mesh != p.device_mesh:
-        raise MeshMismatchError(f"{name}: its gradient lives on another mesh ({g.device_mesh!r})")
-    if g.shape != p.shape:
-        raise ShapeMismatchError(f"{name}: its gradient has shape {g.shape}")
-    if g.placements != p.placements:
-        raise PlacementError(
-            f"{name}: its gradient has placements {list(g.placements)}; step() moves no data, so "
-            f"gradients must have their parameters' placements: {_FIX}")
-    if g.dtype != p.dtype:
-        raise DTypeMismatchError(f"{name} is {p.dtype}: its gradient is {g.dtype}; cast the gradient")
+    check_like_parameter(name, p, g, _GRAD_SAYS)
