@@ -4,16 +4,13 @@ Errors travel as UTF-8 bytes in buffer collectives (no pickles). The rules, each
 - ``agreed(comm)`` / ``agree(comm, error)``: a check whose outcome can differ between ranks;
 - ``require_same(comm, values, ...)``: every rank holds the same values (one small Allreduce
   of fingerprints, carrying the caller's own status too);
-- ``gather_records(comm, fill, width)``: every rank's status and integer metadata in one
-  Allgather (``MAX_NDIM`` bounds the shapes such records carry);
-- ``require_same_columns`` and ``raise_divergence``: comparing such records, and the slow
-  path that names each rank's value.
+- ``raise_divergence``: the slow path that names each rank's value.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import NoReturn
 
@@ -158,33 +155,3 @@ def require_same(comm: MPI.Intracomm | None, values: Mapping[str, object], *, wh
         raise_divergence(comm, {name: values[name] for name in differ}, what, error)
 
 
-def require_same_columns(comm: MPI.Intracomm, table: np.ndarray,
-                         columns: Mapping[int, tuple[str, object]], *, what: str,
-                         error: type[Exception] = SPMDDivergenceError) -> None:
-    """After :func:`gather_records`: each listed column holds a fingerprint of the value named
-    beside it; if any differs between ranks, every rank raises ``error`` naming the values."""
-    differ = dict(pair for col, pair in columns.items() if len(set(table[:, col].tolist())) > 1)
-    if differ:
-        raise_divergence(comm, differ, what, error)
-
-
-def gather_records(comm: MPI.Intracomm, fill: Callable[[np.ndarray], None], width: int) -> np.ndarray:
-    """Every rank's ``width`` int64 metadata fields and its status in one Allgather.
-
-    ``fill(row)`` writes this rank's fields (those it leaves stay -1). If it raises on any
-    rank, every rank raises (:func:`agree`; only then do messages travel). Returns the
-    ``(ranks, width)`` table.
-    """
-    row = np.full(1 + width, -1, dtype=np.int64)
-    row[0] = 0
-    problem: Exception | None = None
-    try:
-        fill(row[1:])
-    except Exception as exc:
-        problem = exc
-        row[0] = 1
-    table = np.empty((comm.Get_size(), row.size), dtype=np.int64)
-    wait_request(comm.Iallgather(row, table), "the library's metadata exchange (Allgather)")
-    if table[:, 0].any():
-        agree(comm, problem)  # every rank sees the failure flag, so every rank calls it
-    return table[:, 1:]
