@@ -101,9 +101,8 @@ def _gather_rows(world: Any, mine: Sequence[Own], kept: Sequence[bool]) -> dict[
     wait_request(world.Iallgatherv(send, [every, (counts.tolist(), displs.tolist()), MPI.UINT64_T]),
                  "the checkpoint save's piece tables (Allgatherv)")
     order = np.argsort(every[:, 0], kind="stable")  # by dataset, each dataset's rows in rank order
-    every = every[order]
-    bounds = np.searchsorted(every[:, 0], np.arange(len(mine) + 1, dtype=np.uint64))
-    return {k: np.ascontiguousarray(every[bounds[k] : bounds[k + 1], 1 : 2 + 2 * mine[k].ndim])
+    bounds = np.searchsorted(every[order, 0], np.arange(len(mine) + 1, dtype=np.uint64))
+    return {k: every[order[bounds[k] : bounds[k + 1]], 1 : 2 + 2 * mine[k].ndim]  # a new C-contiguous table
             for k, keep in enumerate(kept) if keep and bounds[k + 1] > bounds[k]}
 
 
