@@ -20,7 +20,7 @@ from mpi4py import MPI
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import reader
 
-# as test_checkpoint.py: the piece tables travel in a plain MPI Allgather
+# as test_checkpoint.py: the piece tables travel in a plain MPI Allgatherv
 pytestmark = pytest.mark.path_independent
 
 WORLD = MPI.COMM_WORLD
