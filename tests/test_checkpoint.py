@@ -21,7 +21,7 @@ import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import writer as ck
 from dtorch_mpi.checkpoint.checksum import checksum
 
-# the checkpoint's own exchanges are plain MPI Allgather/Bcast; its one path-dependent step (a
+# the checkpoint's own exchanges are plain MPI Allreduce/Allgather(v)/Bcast; its one path-dependent step (a
 # Partial is reduce-scattered before it is saved) is a redistribute, checked on every path by
 # test_redistribute and test_mpi_trace
 pytestmark = pytest.mark.path_independent

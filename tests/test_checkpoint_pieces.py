@@ -20,7 +20,7 @@ from mpi4py import MPI
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import reader
 
-# as test_checkpoint.py: the piece tables travel in a plain MPI Allgather
+# as test_checkpoint.py: the piece tables travel in a plain MPI Allgatherv
 pytestmark = pytest.mark.path_independent
 
 WORLD = MPI.COMM_WORLD
@@ -272,6 +272,46 @@ def test_a_table_over_the_limit_is_not_written(mesh1d: dt.DeviceMesh, shared_dir
     dt.load(path, {"w": tgt})
     assert list(reader.VERIFIED.items()) == [("w", "lin64")], reader.VERIFIED
     assert np.array_equal(tgt.to_torch(), full)
+
+
+def test_kept_and_left_out_tables_in_one_save(mesh1d: dt.DeviceMesh, shared_dir: str, check: Checker,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """One save whose tables are kept for some datasets and left out for others (the limit at one
+    2-d row): each kept table holds every writer's ``[offset, shape, xxh3]`` in rank order (the
+    Allgatherv rows land in their own datasets), a left-out one is absent, and the same-layout
+    load takes xxh3 exactly where a table was kept."""
+    from dtorch_mpi.checkpoint import pieces
+
+    monkeypatch.setattr(pieces, "MAX_TABLE_BYTES", 40)
+    path = os.path.join(shared_dir, "mixed.h5")
+    layouts = {"a": ((2 * SIZE + 1, 3), [dt.Shard(0)]), "b": ((5, 3), [dt.Replicate()]),
+               "c": ((2, SIZE + 2, 2), [dt.Shard(1)]), "e": ((0, 3), [dt.Shard(0)]), "f": ((SIZE - 1, 2), [dt.Shard(0)])}
+    fulls = {k: full_value(shape, i) for i, (k, (shape, _)) in enumerate(layouts.items())}
+    saved = {k: sharded(fulls[k], mesh1d, plc) for k, (_, plc) in layouts.items()}
+    whole = np.arange(4.0)
+    dt.save({**saved, "n": whole}, path)
+    written = {k: [r for r in WORLD.allgather(region(t, writer=True)) if r is not None] for k, t in saved.items()}
+    written["n"] = [((0,), (4,))]
+    values = {**fulls, "n": whole}
+    if RANK == 0:
+        with h5py.File(path, "r") as f:
+            for k, rows in written.items():
+                ndim = values[k].ndim
+                keep = bool(rows) and len(rows) * (2 * ndim + 1) * 8 <= 40
+                check.true(("pieces" in f[k].attrs) == keep, f"{k}: table kept {keep}")
+                if keep:
+                    want = np.array([[*o, *n, xxhash.xxh3_64_intdigest(np.ascontiguousarray(
+                        values[k][tuple(slice(a, a + m) for a, m in zip(o, n))]).tobytes())] for o, n in rows],
+                        dtype=np.uint64)
+                    check.equal(f[k].attrs["pieces"], want, f"{k}: the table's rows")
+    tgt = {k: dt.zeros(*shape, dtype=np.float64, device_mesh=mesh1d, placements=plc) for k, (shape, plc) in layouts.items()}
+    dt.load(path, {**tgt, "n": np.zeros(4)})
+    for k, t in tgt.items():
+        check.equal(t.to_torch(), fulls[k], k)
+        rows = written[k]
+        want = "xxh3" if rows and len(rows) * (2 * t.ndim + 1) * 8 <= 40 else "lin64"
+        check.true(reader.VERIFIED[k] == want, f"{k}: verified by {reader.VERIFIED[k]}, expected {want}")
+    check.done()
 
 
 def test_a_forged_overlapping_piece_never_tiles_a_region(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:

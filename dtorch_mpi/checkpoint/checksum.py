@@ -38,6 +38,7 @@ from math import prod
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from ..comm.deadline import wait_request
 from ..errors import CheckpointError
@@ -205,14 +206,15 @@ def combine(terms: np.ndarray) -> int:
     return int(sum(int(t) for t in terms.ravel())) & MASK
 
 
-def gathered_sums(world: Any, terms: Sequence[int], problem: BaseException | None = None) -> list[int]:
-    """Every rank's term of each dataset, gathered (one Allgather, under the collective deadline)
-    and combined: the same list of checksums on every rank. ``problem``, this rank's failure while
-    computing its terms, travels in the same Allgather (a status slot): if any rank had one,
-    every rank raises (spmd.agree), so the terms are never compared."""
+def reduced_sums(world: Any, terms: Sequence[int], problem: BaseException | None = None) -> list[int]:
+    """Each dataset's terms summed over the ranks mod 2**64 (one Allreduce of ``len(terms) + 1``
+    words under the collective deadline: an unsigned MPI_SUM wraps as ``combine`` does), the same
+    list on every rank, whatever the rank count. ``problem``, this rank's failure while computing
+    its terms, travels in the same Allreduce (a count of failed ranks): if any rank had one, every
+    rank raises (spmd.agree), so the terms are never compared."""
     mine = np.array([problem is not None, *terms], dtype=np.uint64)
-    every = np.empty((world.Get_size(), mine.size), dtype=np.uint64)
-    wait_request(world.Iallgather(mine, every), "the checkpoint load's checksum exchange (Allgather)")
-    if every[:, 0].any():
+    total = np.empty_like(mine)
+    wait_request(world.Iallreduce(mine, total, op=MPI.SUM), "the checkpoint load's checksum exchange (Allreduce)")
+    if total[0]:
         agree(world, problem)
-    return [combine(every[:, n]) for n in range(1, mine.size)]
+    return [int(t) for t in total[1:]]

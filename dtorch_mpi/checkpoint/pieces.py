@@ -5,10 +5,14 @@ a complete array), since the pieces inside such a region tile it.
 
 A dataset may carry the attribute ``pieces``: a uint64 array of shape ``(n, 2 * ndim + 1)``,
 one row per non-empty written piece: its global offset (``ndim`` values), its shape (``ndim``)
-and ``checksum.digest`` of its bytes. ``save`` computes each digest from the piece in memory and
-gathers the rows with the lin64 terms in one Allgather. A table over ``MAX_TABLE_BYTES`` (about
-800 pieces of a 2-d tensor; HDF5 stores an attribute in one object-header message, under 64 KiB)
-is not written, and neither is an empty one: such datasets load with lin64.
+and ``checksum.digest`` of its bytes. ``save`` exchanges what it needs in metadata that grows with
+the number of tensors, not ranks x tensors (``exchange``): one Allreduce (SUM) of each dataset's
+lin64 term, elements written and pieces written; then, only for the datasets whose table fits
+under ``MAX_TABLE_BYTES`` (about 800 pieces of a 2-d tensor; HDF5 stores an attribute in one
+object-header message, under 64 KiB), the digests of their pieces (computed from the pieces in
+memory) and the rows, in one Allgatherv of the writers' rows (an Allgather of one count per rank
+sizes it). A table over the limit is neither computed nor written, and neither is an empty one:
+such datasets load with lin64.
 
 A checkpoint is untrusted: ``check`` refuses a table of the wrong type or shape, a piece that is
 empty or reaches outside the dataset, and a region listed twice. A table only chooses which
@@ -19,14 +23,16 @@ it, two overlapping, a gap) is verified with lin64.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from math import prod
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from ..comm.deadline import wait_request
 from ..errors import CheckpointError
-from .checksum import canonical, combine, running_digest
+from .checksum import canonical, digest, running_digest
 
 ATTRIBUTE = "pieces"
 MAX_TABLE_BYTES = 1 << 15
@@ -35,30 +41,69 @@ Piece = tuple[tuple[int, ...], tuple[int, ...], Any]  # (global offset, shape, d
 Tile = tuple[tuple[int, ...], tuple[int, ...], int]  # (offset in the region read, shape, recorded digest)
 
 
-def record(term: int, ndim: int, piece: Piece | None, digest: int) -> np.ndarray:
-    """This rank's fields for one dataset: ``[lin64 term, written, *offset, *shape, digest]``
-    (``written`` is 0, and the rest 0, when this rank wrote no non-empty ``piece``)."""
-    row = np.zeros(3 + 2 * ndim, dtype=np.uint64)
-    row[0] = term
-    if piece is not None:
-        row[1 : 2 + 2 * ndim] = [1, *piece[0], *piece[1]]
-        row[-1] = digest
-    return row
+@dataclass(frozen=True)
+class Own:
+    """This rank's part of one dataset: its lin64 ``term``, the dataset's ``ndim`` and the
+    non-empty piece it wrote (None when it wrote none); the piece's digest is computed only
+    when the dataset's table is kept."""
+
+    term: int
+    ndim: int
+    piece: Piece | None
 
 
-def gather(world: Any, records: Sequence[np.ndarray]) -> list[tuple[int, np.ndarray | None]]:
-    """Every rank's records in one Allgather: each dataset's lin64 checksum (the terms combined)
-    and its piece table (None when no rank wrote a non-empty piece); the same on every rank."""
-    mine = np.concatenate([np.zeros(0, np.uint64), *records])
-    every = np.empty((world.Get_size(), mine.size), dtype=np.uint64)
-    wait_request(world.Iallgather(mine, every), "the checkpoint's checksum exchange (Allgather)")
-    out, start = [], 0
-    for rec in records:
-        block = every[:, start : start + rec.size]
-        start += rec.size
-        rows = block[block[:, 1] == 1, 2:]
-        out.append((combine(block[:, 0]), np.ascontiguousarray(rows) if len(rows) else None))
-    return out
+@dataclass(frozen=True)
+class Summary:
+    """One dataset's save metadata, the same on every rank: its lin64 ``checksum``, the elements
+    ``written`` by all ranks (each piece counted once per writer) and its piece ``table`` (None when
+    no rank wrote a non-empty piece or the table is over ``MAX_TABLE_BYTES``)."""
+
+    checksum: int
+    written: int
+    table: np.ndarray | None
+
+
+def table_bytes(pieces: int, ndim: int) -> int:
+    """The stored size of a table of ``pieces`` rows for a ``ndim``-d dataset."""
+    return pieces * (2 * ndim + 1) * 8
+
+
+def exchange(world: Any, mine: Sequence[Own]) -> list[Summary]:
+    """Every dataset's ``Summary`` from each rank's ``Own`` parts (collective over ``world``):
+    one Allreduce of ``3 * len(mine)`` words, then the rows of the tables that are kept (see the
+    module's docstring): per rank, O(datasets + the rows kept) bytes whatever the rank count."""
+    sums = np.zeros((3, len(mine)), dtype=np.uint64)
+    for k, own in enumerate(mine):
+        sums[:, k] = own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None
+    total = np.empty_like(sums)
+    if sums.size:
+        wait_request(world.Iallreduce(sums, total, op=MPI.SUM), "the checkpoint save's checksum exchange (Allreduce)")
+    kept = [bool(n) and table_bytes(int(n), own.ndim) <= MAX_TABLE_BYTES for n, own in zip(total[2], mine)]
+    tables = _gather_rows(world, mine, kept) if any(kept) else {}
+    return [Summary(int(term), int(written), tables.get(k)) for k, (term, written) in enumerate(zip(total[0], total[1]))]
+
+
+def _gather_rows(world: Any, mine: Sequence[Own], kept: Sequence[bool]) -> dict[int, np.ndarray]:
+    """The piece tables of the ``kept`` datasets (index -> table, rows in rank order): each rank
+    sends a row ``[dataset index, *offset, *shape, digest]`` (padded to one width) per kept
+    dataset it wrote a piece of; one Allgather of the ranks' word counts sizes one Allgatherv."""
+    width = 2 * max(own.ndim for own, keep in zip(mine, kept) if keep) + 2
+    rows = [[k, *own.piece[0], *own.piece[1], digest(own.piece[2])] for k, (own, keep) in enumerate(zip(mine, kept))
+            if keep and own.piece is not None]
+    send = np.zeros((len(rows), width), dtype=np.uint64)
+    for n, row in enumerate(rows):
+        send[n, : len(row)] = row
+    counts = np.zeros(world.Get_size(), dtype=np.int64)
+    wait_request(world.Iallgather(np.array([send.size], dtype=np.int64), counts),
+                 "the checkpoint save's piece-table sizes (Allgather)")
+    every = np.zeros((int(counts.sum()) // width, width), dtype=np.uint64)
+    displs = np.concatenate([[0], np.cumsum(counts[:-1])])
+    wait_request(world.Iallgatherv(send, [every, (counts.tolist(), displs.tolist()), MPI.UINT64_T]),
+                 "the checkpoint save's piece tables (Allgatherv)")
+    order = np.argsort(every[:, 0], kind="stable")  # by dataset, each dataset's rows in rank order
+    bounds = np.searchsorted(every[order, 0], np.arange(len(mine) + 1, dtype=np.uint64))
+    return {k: every[order[bounds[k] : bounds[k + 1]], 1 : 2 + 2 * mine[k].ndim]  # a new C-contiguous table
+            for k, keep in enumerate(kept) if keep and bounds[k + 1] > bounds[k]}
 
 
 def check_layout(dtype: np.dtype, table_shape: tuple[int, ...], shape: tuple[int, ...], what: str) -> None:

@@ -13,10 +13,11 @@ same for a dataset on every rank:
 - ``"lin64"`` otherwise: each rank adds its checksum term (checksum.py), and each dataset's sum
   must equal its stored checksum times the number of ranks of the world that read each element
   (replicas all read and all verify; so does every sub-mesh loading the key: ``copies_read``,
-  summed in the same Allgather).
+  summed in the same Allreduce).
 
-Either way the verdicts of all ranks are gathered once (a mismatch is one rank's term of 1 on
-the fast path), and a mismatch raises the same error on every rank before anything is
+Either way the verdicts of all ranks are summed in one Allreduce of a word per dataset (and per
+dataset's copies), whatever the rank count (a mismatch is one rank's term of 1 on the fast
+path), and a mismatch raises the same error on every rank before anything is
 installed. ``VERIFIED`` records which way each dataset of the latest load went. Two staging
 modes bound the memory a load needs on top of the model:
 
@@ -49,7 +50,7 @@ from ..errors import CheckpointError
 from ..placement import Partial, Replicate
 from ..spmd import agreed
 from . import pieces
-from .checksum import MASK, checksum, digest, gathered_sums
+from .checksum import MASK, checksum, digest, reduced_sums
 from .validate import Entry, damaged
 
 STAGING = ("all", "chunks")
@@ -89,7 +90,7 @@ def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys:
 
 
 def _attempt(path: str, read: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], Exception | None]:
-    """Run this rank's reads; a failure is kept for ``_verify``'s Allgather to agree on (one
+    """Run this rank's reads; a failure is kept for ``_verify``'s Allreduce to agree on (one
     collective carries both the terms and every rank's status), h5py's raw errors as a
     ``CheckpointError`` naming the file."""
     try:
@@ -240,10 +241,10 @@ def _first_pass(param: Any, ds: Any, expected: Tiles | None) -> tuple[list[int],
 def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, Any],
             entries: Mapping[str, Entry], expect: Mapping[str, Tiles | None], path: str,
             problem: Exception | None) -> None:
-    """Gather every rank's terms and status (``problem``: its reads failed); the same verdict
+    """Sum every rank's terms and status (``problem``: its reads failed); the same verdict
     (and error) on every rank (xxh3: no rank saw a mismatch; lin64: the terms add up to the
     stored checksum once per reader)."""
-    sums = gathered_sums(world, [*terms, *(copies_read(params[key]) for key in keys)], problem)
+    sums = reduced_sums(world, [*terms, *(copies_read(params[key]) for key in keys)], problem)
     bad = [key for key, total, copies in zip(keys, sums, sums[len(keys):])
            if total != (0 if expect[key] is not None else entries[key].checksum * copies & MASK)]
     if bad:

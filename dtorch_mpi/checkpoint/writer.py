@@ -33,7 +33,7 @@ from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
 from ..spmd import agreed, require_same
 from . import pieces, pytypes, tree, validate
-from .checksum import checksum, digest, require_hasher
+from .checksum import checksum, require_hasher
 from .h5lib import LOCK, fixed, has_parallel_hdf5
 from .h5lib import group_path as _group_path
 from .h5lib import h5py as _h5py
@@ -94,12 +94,12 @@ class _Slab:
     def nbytes(self) -> int:
         return prod(self.shape) * self.dtype.itemsize
 
-    def record(self) -> np.ndarray:
-        """This rank's lin64 term and piece-table row (the piece's xxh3 from the bytes in memory)."""
+    def own(self) -> pieces.Own:
+        """This rank's lin64 term and non-empty piece (pieces.exchange hashes it if its table is kept)."""
         piece = self.piece if self.piece is not None and prod(self.piece[1]) else None
         term = self.term if self.term is not None else 0 if self.piece is None else checksum(
             self.piece[2], tuple(self.piece[0]), self.shape)
-        return pieces.record(term, len(self.shape), piece, digest(piece[2]) if piece is not None else 0)
+        return pieces.Own(term, len(self.shape), piece)
 
 
 def _complete(leaf: tree.Leaf) -> np.ndarray:
@@ -371,29 +371,27 @@ def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> d
     return out
 
 
-def _gathered_checksums(world: MPI.Intracomm, slabs: list[_Slab]) -> list[tuple[int, np.ndarray | None]]:
-    """Every dataset's lin64 checksum and piece table (one Allgather; the same on every rank),
+def _exchanged_checksums(world: MPI.Intracomm, slabs: list[_Slab]) -> list[pieces.Summary]:
+    """Every dataset's lin64 checksum and piece table (pieces.exchange; the same on every rank),
     after checking that the written pieces cover each dataset once (the same verdict everywhere:
     a tensor held on overlapping meshes would be written twice in places and never in others)."""
-    sums = pieces.gather(world, [slab.record() for slab in slabs])
-    for slab, (_, table) in zip(slabs, sums):
-        written = 0 if table is None else int(np.prod(table[:, len(slab.shape) : 2 * len(slab.shape)],
-                                                      axis=1, dtype=np.uint64).sum())
-        if written != prod(slab.shape):
-            raise CheckpointError(f"{slab.key}: the ranks wrote {written} of its {prod(slab.shape)} elements; each "
-                                  f"element must be written once (the ranks hold it on meshes that overlap or "
+    sums = pieces.exchange(world, [slab.own() for slab in slabs])
+    for slab, summary in zip(slabs, sums):
+        if summary.written != prod(slab.shape):
+            raise CheckpointError(f"{slab.key}: the ranks wrote {summary.written} of its {prod(slab.shape)} elements; "
+                                  f"each element must be written once (the ranks hold it on meshes that overlap or "
                                   f"leave parts out: save it from one mesh, or from disjoint copies of one)")
     return sums
 
 
-def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab],
-                   sums: list[tuple[int, np.ndarray | None]]) -> None:
-    """Store each dataset's checksum and its piece table (unless empty or over the attribute limit)."""
-    for slab, (total, table) in zip(slabs, sums):
+def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab], sums: list[pieces.Summary]) -> None:
+    """Store each dataset's checksum and its piece table (pieces.exchange leaves out an empty
+    one and one over the attribute limit)."""
+    for slab, summary in zip(slabs, sums):
         attrs = datasets[slab.key].attrs
-        attrs["checksum"] = np.uint64(total)
-        if table is not None and table.nbytes <= pieces.MAX_TABLE_BYTES:
-            attrs[pieces.ATTRIBUTE] = table
+        attrs["checksum"] = np.uint64(summary.checksum)
+        if summary.table is not None:
+            attrs[pieces.ATTRIBUTE] = summary.table
 
 
 def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab]) -> None:
@@ -406,7 +404,7 @@ def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[st
             with agreed(world):  # an I/O error the write reports on one rank stops every rank
                 _write_slab(h5py, datasets[slab.key], slab.piece, collective=True)
             progress.add(slab.nbytes, "saving")
-        _set_checksums(datasets, slabs, _gathered_checksums(world, slabs))
+        _set_checksums(datasets, slabs, _exchanged_checksums(world, slabs))
     # no H5Fflush here: with MPI-IO it is an MPI_File_sync, and the file is fsynced after close
     progress.close()
 
@@ -436,7 +434,7 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
     with agreed(world):
         if error is not None:
             raise error
-    sums = _gathered_checksums(world, slabs)
+    sums = _exchanged_checksums(world, slabs)
     with agreed(world):
         if rank == 0:
             with h5py.File(tmp, "r+") as f:
