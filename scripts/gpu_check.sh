@@ -22,7 +22,7 @@ DEADLINE=$(( $(date +%s) + 590 ))
 TESTS="tests/test_gpu.py tests/test_redistribute.py tests/test_ops.py"  # Makefile GPU_EMULATED_TESTS, first part
 $PY -c "import hypothesis" 2>/dev/null || TESTS="tests/test_gpu.py tests/test_redistribute.py"  # test_ops needs it
 # its second part, run last (after the benchmarks, with the time left): training on the device
-TRAIN_TESTS="tests/test_optim.py"
+TRAIN_TESTS="tests/test_optim.py tests/test_optim_checks.py"
 $PY -c "import hypothesis" 2>/dev/null && TRAIN_TESTS="$TRAIN_TESTS tests/test_autograd.py"  # imports test_ops
 $PY -c "import h5py, xxhash" 2>/dev/null && TRAIN_TESTS="$TRAIN_TESTS tests/test_training.py tests/test_checkpoint.py tests/test_nn.py"
 LOG=${GPU_CHECK_LOG:-/tmp/dtorch_gpu_check}
