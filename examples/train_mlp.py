@@ -2,6 +2,7 @@
 rank count (sharding-invariant training), and equals a single-process NumPy reference.
 
 Run: mpiexec -n 4 python examples/train_mlp.py --plan dp_tp --optimizer adamw --task classification
+(``--device cuda``: the same on a "cuda" mesh, CuPy pieces, one GPU per rank)
 
 Plans (``PLANS``: placements per mesh dim, as data):
   replicated  every rank holds everything and the whole batch

@@ -5,7 +5,9 @@ tensor-parallel plan), with SGD +
 momentum and AdamW, on a regression (mse_loss) and a classification (vocab-parallel
 cross_entropy) task, equals a single-process NumPy reference of the same math (forward and
 backward by hand, the optimizers' formulas) step by step, in float64, to 1e-9. Training state
-saved under one plan and resumed under another continues the uninterrupted run exactly."""
+saved under one plan and resumed under another continues the uninterrupted run exactly. Every
+test runs per array backend (``xp_device``: NumPy pieces, and CuPy ones on a "cuda" mesh, the
+emulated CuPy under ``--device emulated``)."""
 
 from __future__ import annotations
 
