@@ -132,7 +132,7 @@ install-phdf5: $(PHDF5_STAMP)
 # short pass of it (EMULATED=0 skips it); `make test-gpu-emulated` the whole one at $(SIZES).
 EMULATED ?= 1
 comma := ,
-GPU_EMULATED_TESTS := tests/test_gpu.py,tests/test_redistribute.py,tests/test_ops.py,tests/test_autograd.py,tests/test_optim.py,tests/test_optim_checks.py,tests/test_training.py,tests/test_checkpoint.py,tests/test_nn.py
+GPU_EMULATED_TESTS := tests/test_gpu.py,tests/test_redistribute.py,tests/test_ops.py,tests/test_autograd.py,tests/test_autograd_hooks.py,tests/test_autograd_misuse.py,tests/test_tp_autograd.py,tests/test_optim.py,tests/test_optim_checks.py,tests/test_training.py,tests/test_checkpoint.py,tests/test_nn.py
 # make test's pass adds a few seconds of the training suites: TP autograd (the comm counts), a
 # rank outside the mesh, two plans against NumPy (fsdp + AdamW, tp + SGD), optimizer state saved
 # from NumPy and loaded onto CuPy (and back), parallelize_module onto the mesh
