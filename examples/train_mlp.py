@@ -2,6 +2,7 @@
 rank count (sharding-invariant training), and equals a single-process NumPy reference.
 
 Run: mpiexec -n 4 python examples/train_mlp.py --plan dp_tp --optimizer adamw --task classification
+(``--device cuda``: the same on a "cuda" mesh, CuPy pieces, one GPU per rank)
 
 Plans (``PLANS``: placements per mesh dim, as data):
   replicated  every rank holds everything and the whole batch
@@ -126,18 +127,24 @@ def dataset(task: str) -> tuple[np.ndarray, np.ndarray]:
     return (x, np.sin(x @ proj)) if task == "regression" else (x, np.argmax(x @ proj, axis=1))
 
 
+def host(a: Any) -> np.ndarray:
+    """A NumPy copy of a complete value (a CuPy one on a ``"cuda"`` mesh comes to the host)."""
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.array(a)
+
+
 def train(plan: str, optimizer: str = "sgd", task: str = "regression", steps: int = 5,
-          seed: int = 0) -> tuple[list[float], dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Train ``steps`` steps under ``plan`` (collective over the world); return the losses,
-    the initial and the final parameters as complete arrays."""
+          seed: int = 0, device: str = "cpu") -> tuple[list[float], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Train ``steps`` steps under ``plan`` (collective over the world) on a mesh of ``device``
+    ("cpu": NumPy pieces, "cuda": CuPy); return the losses, the initial and the final
+    parameters as complete NumPy arrays."""
     shape = mesh_shape(plan, MPI.COMM_WORLD.Get_size())
     if shape is None:
         raise ValueError(f"plan {plan!r} needs an even number of ranks")
-    mesh = dt.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
+    mesh = dt.init_device_mesh(device, shape, mesh_dim_names=("dp", "tp")[-len(shape):])
     try:
         dt.manual_seed(seed)
         model = MLP(OUT[task], mesh)
-        initial = {k: np.array(p.to_torch()) for k, p in model.named_parameters()}  # a copy: steps update in place
+        initial = {k: host(p.to_torch()) for k, p in model.named_parameters()}  # a copy: steps update in place
         apply_plan(model, plan)
         params = list(model.named_parameters())
         cls, kwargs = OPTIMIZERS[optimizer]
@@ -157,7 +164,7 @@ def train(plan: str, optimizer: str = "sgd", task: str = "regression", steps: in
                 nn.utils.reduce_gradients([p for _, p in params])
             opt.step()
             losses.append(float(loss.to_torch()))
-        return losses, initial, {k: np.array(p.to_torch()) for k, p in params}
+        return losses, initial, {k: host(p.to_torch()) for k, p in params}
     finally:
         mesh.free()
 
@@ -235,8 +242,9 @@ def main() -> None:
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd")
     parser.add_argument("--task", choices=sorted(OUT), default="regression")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="the mesh's device type (cuda: CuPy)")
     args = parser.parse_args()
-    losses, initial, final = train(args.plan, args.optimizer, args.task, args.steps)
+    losses, initial, final = train(args.plan, args.optimizer, args.task, args.steps, device=args.device)
     ref_losses, ref_final = reference(initial, args.optimizer, args.task, args.steps)
     size = MPI.COMM_WORLD.Get_size()
     if MPI.COMM_WORLD.Get_rank() == 0:

@@ -19,8 +19,13 @@ if [ "$DEVICE" = emulated ]; then
   echo "*** EMULATED DEVICE (test double): nothing below is a GPU result"
 fi
 DEADLINE=$(( $(date +%s) + 590 ))
-TESTS="tests/test_gpu.py tests/test_redistribute.py tests/test_ops.py"  # Makefile GPU_EMULATED_TESTS
+TESTS="tests/test_gpu.py tests/test_redistribute.py tests/test_ops.py"  # Makefile GPU_EMULATED_TESTS, first part
 $PY -c "import hypothesis" 2>/dev/null || TESTS="tests/test_gpu.py tests/test_redistribute.py"  # test_ops needs it
+# its second part, run last (after the benchmarks, with the time left): training on the device
+TRAIN_TESTS="tests/test_optim.py tests/test_optim_checks.py"
+$PY -c "import hypothesis" 2>/dev/null && TRAIN_TESTS="$TRAIN_TESTS tests/test_autograd.py"  # imports test_ops
+TRAIN_TESTS="$TRAIN_TESTS tests/test_autograd_hooks.py tests/test_autograd_misuse.py tests/test_tp_autograd.py"
+$PY -c "import h5py, xxhash" 2>/dev/null && TRAIN_TESTS="$TRAIN_TESTS tests/test_training.py tests/test_checkpoint.py tests/test_nn.py"
 LOG=${GPU_CHECK_LOG:-/tmp/dtorch_gpu_check}
 mkdir -p "$LOG"
 summary=()
@@ -71,6 +76,9 @@ if $PY -c "import cupy.cuda.nccl" 2>/dev/null; then
 else
   summary+=("gpu-nccl-vs-raw: SKIPPED (cupy.cuda.nccl not available)")
 fi
+# autograd, optimizers, training plans and checkpoints on device pieces (2 ranks sharing the GPU)
+step gpu-train-suites-2-ranks 150 env DTORCH_GPU_BACKEND=host-staging DTORCH_TEST_ALL_OUTPUT=1 \
+  "$MPIEXEC" -n 2 tests/rank_wrapper.sh $PY -m pytest -q -p no:cacheprovider $PYTEST_MPI --device $DEVICE $TRAIN_TESTS
 
 echo
 echo "=== summary"

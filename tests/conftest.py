@@ -239,7 +239,7 @@ def _select_for_device(items: list[pytest.Item]) -> list[pytest.Item]:
     return drop
 
 
-DEVICE_PARAMETRISED = ("xp_mesh1d", "xp_mesh2d", "any_mesh")
+DEVICE_PARAMETRISED = ("xp_mesh1d", "xp_mesh2d", "xp_device", "any_mesh")
 
 
 def _every_rank_has_a_gpu() -> bool:
@@ -290,6 +290,13 @@ def xp_mesh2d(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
     mesh = dt.init_device_mesh(request.param, MESH2D_SHAPES.get(SIZE, (SIZE, 1)), mesh_dim_names=("dp", "tp"))
     yield mesh
     mesh.free()
+
+
+@pytest.fixture(params=ARRAY_BACKENDS)
+def xp_device(request: pytest.FixtureRequest) -> str:
+    """The device type per array backend ("cpu": NumPy, "cuda": CuPy), for tests that build
+    their own meshes (several shapes, as training plans do); see ``xp_mesh1d``."""
+    return str(request.param)
 
 
 def lengths_for(m: int) -> list[int]:

@@ -19,15 +19,29 @@ from typing import Any
 import numpy as np
 import pytest
 import test_ops
-from conftest import SIZE, Checker
+from conftest import SIZE, Checker, on_mesh, to_numpy
 from helpers import P1, P2, numeric_grad
 from test_ops import MATMUL_SHAPES, assert_all_rules_ran, dist, placement_for
 
 import dtorch_mpi as dt
+from dtorch_mpi.arrays import array_namespace
 
 R = dt.Replicate()
 rule_hits = test_ops.rule_hits  # the fixture that records which forward rules ran
 op_tests_only_on_auto = pytest.mark.path_independent  # operator backward never communicates
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
+    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
+
+
+@pytest.fixture
+def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """``mesh2d`` per array backend (see ``mesh1d``)."""
+    return xp_mesh2d
 
 
 def values(shape: tuple[int, ...], seed: int, low: float = 0.5, high: float = 2.0) -> np.ndarray:
@@ -323,7 +337,8 @@ def test_tp_mlp_backward_moves_only_the_adjoint(mesh1d: dt.DeviceMesh, check: Ch
     nothing. Gradients equal the NumPy ones."""
     rng = np.random.default_rng(3)
     X, W1, W2 = rng.standard_normal((4, 6)), rng.standard_normal((SIZE + 2, 6)), rng.standard_normal((5, SIZE + 2))
-    model = dt.nn.Sequential(dt.nn.Linear(6, SIZE + 2, bias=False), dt.nn.ReLU(), dt.nn.Linear(SIZE + 2, 5, bias=False))
+    model = dt.nn.Sequential(dt.nn.Linear(6, SIZE + 2, bias=False, device_mesh=mesh1d), dt.nn.ReLU(),
+                             dt.nn.Linear(SIZE + 2, 5, bias=False, device_mesh=mesh1d))
     model.load_state_dict({"0.weight": W1, "2.weight": W2})
     dt.parallelize_module(model, mesh1d, {"0": dt.ColwiseParallel(use_local_output=False),
                                          "2": dt.RowwiseParallel(use_local_output=False)})
@@ -374,7 +389,7 @@ def test_a_chain_of_elementwise_ops_keeps_only_what_backward_needs(mesh1d: dt.De
     del y
     assert sum(r() is not None for r in refs) == 0, "intermediate pieces of a chain of adds are kept"
     loss.backward()
-    assert x.grad is not None and np.all(x.grad.to_local() == 1)
+    assert x.grad is not None and np.all(to_numpy(x.grad.to_local()) == 1)
 
 
 def test_no_grad_detach_and_second_backward(mesh1d: dt.DeviceMesh) -> None:
@@ -388,7 +403,7 @@ def test_no_grad_detach_and_second_backward(mesh1d: dt.DeviceMesh) -> None:
     loss.backward(retain_graph=True)
     loss.backward()
     assert x.grad is not None
-    np.testing.assert_allclose(x.grad.to_torch(), 4 * x.to_torch())
+    np.testing.assert_allclose(to_numpy(x.grad.to_torch()), 4 * to_numpy(x.to_torch()))
     with pytest.raises(RuntimeError, match="second time"):
         loss.backward()
     with pytest.raises(RuntimeError, match="one-element"):
@@ -408,21 +423,21 @@ def test_requires_grad_keyword_on_every_constructor(mesh1d: dt.DeviceMesh) -> No
             dt.full((SIZE + 1, 2), 1.5, **kw), dt.rand(SIZE + 1, 2, **kw), dt.randn(SIZE + 1, 2, **kw),
             dt.arange(0.0, SIZE + 1.0, **kw),
             dt.distribute_tensor(np.ones((SIZE + 1, 2)), mesh1d, [dt.Shard(0)], requires_grad=True),
-            dt.DTensor.from_local(np.ones((1, 2)), mesh1d, [R], requires_grad=True)]
+            dt.DTensor.from_local(on_mesh(mesh1d, np.ones((1, 2))), mesh1d, [R], requires_grad=True)]
     assert all(t.requires_grad and t.is_leaf and t.grad is None for t in made)
     assert not dt.zeros(3, device_mesh=mesh1d, placements=[R]).requires_grad
     with pytest.raises(TypeError, match="only floating or complex tensors"):
         dt.arange(3, device_mesh=mesh1d, placements=[R], requires_grad=True)
     loss = (made[0] * made[0]).sum() + (made[1] * made[1]).sum()
     loss.backward()
-    np.testing.assert_allclose(made[1].grad.to_torch(), 2 * np.ones((SIZE + 1, 2)))
+    np.testing.assert_allclose(to_numpy(made[1].grad.to_torch()), 2 * np.ones((SIZE + 1, 2)))
 
 
 @pytest.mark.skipif(SIZE < 2, reason="needs a rank outside the mesh")
-def test_backward_with_a_rank_outside_the_mesh(check: Checker) -> None:
+def test_backward_with_a_rank_outside_the_mesh(mesh1d: dt.DeviceMesh, check: Checker) -> None:
     """Every world rank runs the program; the last one is outside the mesh (empty pieces) and
-    must neither hang nor disturb the others' gradients."""
-    with dt.DeviceMesh("cpu", list(range(SIZE - 1))) as mesh:
+    must neither hang nor disturb the others' gradients (a mesh of ``mesh1d``'s device type)."""
+    with dt.DeviceMesh(mesh1d.device_type, list(range(SIZE - 1))) as mesh:
         X, W = values((SIZE + 2, 3), 1), values((3, 2), 2)
         x = dt.distribute_tensor(X, mesh, [dt.Shard(0)], requires_grad=True)
         w = dt.distribute_tensor(W, mesh, [R], requires_grad=True)
@@ -479,7 +494,7 @@ def test_leaf_gradients_are_c_contiguous_and_unneeded_gradients_are_skipped(mesh
     w = dt.distribute_tensor(values((SIZE + 2, 4), 2), mesh1d, [dt.Shard(0)], requires_grad=True)
     (x @ w.T).sum().backward()
     assert w.grad is not None and w.grad.to_local().flags.c_contiguous
-    np.testing.assert_allclose(w.grad.to_torch(), np.broadcast_to(values((5, 4), 1).sum(0), (SIZE + 2, 4)))
+    np.testing.assert_allclose(to_numpy(w.grad.to_torch()), np.broadcast_to(values((5, 4), 1).sum(0), (SIZE + 2, 4)))
     assert x.grad is None
 
 
@@ -487,13 +502,14 @@ def test_prod_backward_with_zeros_and_leaf_gradients_own_their_buffers(mesh1d: d
     x = dt.distribute_tensor(np.array([[0.0, 2.0, 3.0], [1.0, 0.0, 0.0]]), mesh1d, [R], requires_grad=True)
     x.prod(dim=1).sum().backward()
     assert x.grad is not None
-    np.testing.assert_allclose(x.grad.to_torch(), [[6.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(to_numpy(x.grad.to_torch()), [[6.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     a = dt.distribute_tensor(values((SIZE + 1, 2), 1), mesh1d, [dt.Shard(0)], requires_grad=True)
     b = dt.distribute_tensor(values((SIZE + 1, 2), 2), mesh1d, [dt.Shard(0)], requires_grad=True)
     (a + b).sum().backward()  # add hands one buffer to both inputs; sum's is a read-only view
     assert a.grad is not None and b.grad is not None
-    assert not np.shares_memory(a.grad.to_local(), b.grad.to_local())
-    assert a.grad.to_local().flags.writeable
+    xp = array_namespace(mesh1d.device_type)
+    assert not xp.shares_memory(a.grad.to_local(), b.grad.to_local())
+    assert mesh1d.device_type != "cpu" or a.grad.to_local().flags.writeable  # CuPy has no read-only arrays
     with dt.no_grad():
         y = dt.nn.functional.cross_entropy(a, np.zeros(SIZE + 1, dtype=np.int64))
     assert not y.requires_grad and y.grad_fn is None

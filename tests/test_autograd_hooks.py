@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import Checker
+from conftest import Checker, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.autograd import queue_callback, register_hook, register_post_accumulate_grad_hook
 
 R, S0 = dt.Replicate(), dt.Shard(0)
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
+    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
 
 
 def _leaf(mesh: dt.DeviceMesh, a: np.ndarray, placement: dt.Placement) -> dt.DTensor:
@@ -28,7 +35,7 @@ def test_tensor_hook_sees_the_complete_gradient_and_may_replace_it(mesh1d: dt.De
     seen: list[np.ndarray] = []
 
     def hook(g: dt.DTensor) -> dt.DTensor:
-        seen.append(np.array(g.to_torch()))
+        seen.append(to_numpy(g.to_torch()))
         return g * 2.0
 
     handle = h.register_hook(hook)
@@ -56,7 +63,7 @@ def test_post_accumulate_hook_runs_once_when_the_leaf_gradient_is_complete(mesh1
 
     def done(leaf: dt.DTensor) -> None:
         events.append("w complete")
-        grads.append(np.array(leaf.grad.redistribute(placements=[R]).to_torch()))  # a collective in a hook
+        grads.append(to_numpy(leaf.grad.redistribute(placements=[R]).to_torch()))  # a collective in a hook
 
     w.register_post_accumulate_grad_hook(done)
     (w * x).sum().backward()  # the first backward made w's accumulator: it is older than what follows

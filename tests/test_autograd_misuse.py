@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import SIZE, Checker, lengths_for, reference
+from conftest import SIZE, Checker, lengths_for, reference, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import Parameter
 
 ROWS = lengths_for(SIZE)
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every check
+    runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
 
 
 def _leaf(mesh: dt.DeviceMesh, rows: int) -> dt.DTensor:
@@ -78,5 +85,5 @@ def test_parameter_requiring_grad_is_floating(mesh1d: dt.DeviceMesh) -> None:
                                         r"requires_grad=False"):
         Parameter(ints)
     frozen = Parameter(ints, requires_grad=False)
-    assert not frozen.requires_grad and np.array_equal(frozen.to_torch(), np.arange(2 * SIZE + 1))
+    assert not frozen.requires_grad and np.array_equal(to_numpy(frozen.to_torch()), np.arange(2 * SIZE + 1))
     assert Parameter(dt.zeros(3, device_mesh=mesh1d, dtype=np.complex128)).requires_grad

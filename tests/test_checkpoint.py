@@ -12,7 +12,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, Checker
+from conftest import RANK, SIZE, Checker, to_numpy
 from helpers import full_value, make_pieces, patch_bytes
 from mpi4py import MPI
 from mpi_launch import child_env, run
@@ -28,6 +28,19 @@ pytestmark = pytest.mark.path_independent
 
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
+    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
+
+
+@pytest.fixture
+def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """``mesh2d`` per array backend (see ``mesh1d``)."""
+    return xp_mesh2d
 
 
 def state(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shape: tuple[int, ...]) -> tuple[dict, dict]:
@@ -86,10 +99,12 @@ def test_partial_is_saved_reduced_and_plain_h5py_reads_it(mesh1d: dt.DeviceMesh,
 
 
 @pytest.mark.mpi(min_size=2)
-def test_reshard_across_mesh_sizes_and_shapes(shared_dir: str, check: Checker) -> None:
-    """Save on every rank, load on sub-meshes of 1..SIZE ranks (and 2x2), and back."""
+def test_reshard_across_mesh_sizes_and_shapes(mesh1d: dt.DeviceMesh, shared_dir: str, check: Checker) -> None:
+    """Save on every rank, load on sub-meshes of 1..SIZE ranks (and 2x2), and back (meshes of
+    ``mesh1d``'s device type)."""
     path = os.path.join(shared_dir, "reshard.h5")
-    with dt.init_device_mesh("cpu", (SIZE,)) as full_mesh:
+    device = mesh1d.device_type
+    with dt.init_device_mesh(device, (SIZE,)) as full_mesh:
         fulls, sd = state(full_mesh, LAYOUTS_1D, (2 * SIZE + 1, 5))
         dt.save(sd, path)
     shapes = [[list(range(n))] for n in range(1, SIZE + 1)]
@@ -97,7 +112,7 @@ def test_reshard_across_mesh_sizes_and_shapes(shared_dir: str, check: Checker) -
         shapes.append([[0, 1], [2, 3]])
     for ranks in shapes:
         ranks_arr = np.array(ranks[0] if len(ranks) == 1 else ranks)
-        with dt.DeviceMesh("cpu", ranks_arr) as mesh:
+        with dt.DeviceMesh(device, ranks_arr) as mesh:
             layouts = [[dt.Shard(1)] * mesh.ndim, [dt.Shard(0)] * mesh.ndim, [dt.Partial("min")] * mesh.ndim]
             tgt = targets(mesh, layouts, (2 * SIZE + 1, 5))
             dt.load(path, tgt)
@@ -108,7 +123,7 @@ def test_reshard_across_mesh_sizes_and_shapes(shared_dir: str, check: Checker) -
             # and save from the smaller mesh, load back on all ranks
             small = os.path.join(shared_dir, f"small{mesh.size()}.h5")
             dt.save(tgt, small)
-    with dt.init_device_mesh("cpu", (SIZE,)) as full_mesh:
+    with dt.init_device_mesh(device, (SIZE,)) as full_mesh:
         back = targets(full_mesh, [[dt.Shard(0)]], (2 * SIZE + 1, 5))
         dt.load(os.path.join(shared_dir, "small1.h5"), back)
         for k, v in back.items():
@@ -782,7 +797,8 @@ def test_optimizer_state_reshards_onto_current_placements(mesh1d: dt.DeviceMesh,
                                                          shared_dir: str) -> None:
     """Saved under Colwise/Rowwise on a 1-D mesh, loaded into a replicated model on a 2-D mesh:
     every moment equals the saved one as a complete array and has its parameter's placements;
-    step counts and hyperparameters come back; the load returns its target."""
+    step counts and hyperparameters come back; the load returns its target. Over the array
+    backends the two meshes' device types differ too: saved from NumPy, resumed on CuPy and back."""
     path = os.path.join(shared_dir, "optim.h5")
     model, opt = _training_state(mesh1d, 0)
     dt.save({"model": model, "optim": opt}, path)
@@ -797,9 +813,9 @@ def test_optimizer_state_reshards_onto_current_placements(mesh1d: dt.DeviceMesh,
         assert got["step"] == want["step"] == 2 and type(got["step"]) is int
         for name in ("exp_avg", "exp_avg_sq"):
             assert got[name].placements == p.placements and got[name].device_mesh == mesh2d
-            assert np.array_equal(got[name].to_torch(), want[name])
+            assert np.array_equal(to_numpy(got[name].to_torch()), to_numpy(want[name]))
     for a, b in zip(model.parameters(), other.parameters()):
-        assert np.array_equal(a.to_torch(), b.to_torch())
+        assert np.array_equal(to_numpy(a.to_torch()), to_numpy(b.to_torch()))
 
 
 _WITHOUT = """

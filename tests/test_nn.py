@@ -8,7 +8,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, Checker
+from conftest import RANK, SIZE, Checker, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import Module, Parameter
@@ -205,3 +205,43 @@ def test_module_api(mesh1d: dt.DeviceMesh) -> None:
     wild = dt.nn.Sequential(dt.nn.Linear(2, 2 * SIZE, device_mesh=mesh1d), dt.nn.Linear(2, 2 * SIZE, device_mesh=mesh1d))
     dt.parallelize_module(wild, mesh1d, {"*": dt.ColwiseParallel()})
     assert all(p.placements == (dt.Shard(0),) for p in wild.parameters())
+
+
+def test_parallelize_module_moves_deferred_parameters_onto_its_mesh(xp_mesh1d: dt.DeviceMesh,
+                                                                    check: Checker) -> None:
+    """Layers built without ``device_mesh`` (the default CPU world mesh) and parallelized onto
+    another mesh (here one of each array backend, named "tp" so it differs from the default)
+    get their parameters made on that mesh, with the values they would have had there: the
+    plan trains and computes the NumPy result. Before, they stayed on the default mesh and the
+    first forward failed with "operands live on different meshes". A parameter that already
+    has its values on another mesh is refused on every rank, nothing changed."""
+    with dt.init_device_mesh(xp_mesh1d.device_type, (SIZE,), mesh_dim_names=("tp",)) as mesh:
+        def build(on: dt.DeviceMesh | None) -> Any:
+            dt.manual_seed(3)
+            return dt.nn.Sequential(dt.nn.Linear(4, SIZE + 1, device_mesh=on, dtype=np.float64), dt.nn.ReLU(),
+                                    dt.nn.Linear(SIZE + 1, 3, device_mesh=on, dtype=np.float64))
+
+        model, there = build(None), build(mesh)
+        dt.parallelize_module(model, mesh, {"0": dt.ColwiseParallel(), "2": dt.RowwiseParallel()})
+        want = {k: to_numpy(v.to_torch()) for k, v in there.named_parameters()}
+        for name, p in model.named_parameters():
+            check.true(p.device_mesh is mesh, f"{name} on {p.device_mesh!r}")
+            check.true(type(p.to_local()).__module__.split(".")[0] == ("numpy" if mesh.device_type == "cpu" else "cupy"),
+                       f"{name}: piece is {type(p.to_local())}")
+            check.equal(p.to_torch(), want[name], name)
+        check.true(model[2].bias.placements == (dt.Replicate(),), "the kept Rowwise bias moves Replicate")
+        x = np.random.default_rng(1).standard_normal((5, 4))
+        y = model(dt.distribute_tensor(x, mesh, [dt.Replicate()]))
+        y.square().sum().backward()
+        ref = np.maximum(x @ want["0.weight"].T + want["0.bias"], 0) @ want["2.weight"].T + want["2.bias"]
+        check.equal(y.to_torch(), ref, "forward", exact=False)
+        check.true(all(p.grad is not None for p in model.parameters()), "every parameter got a gradient")
+
+        valued = dt.nn.Linear(4, SIZE + 1, dtype=np.float64)
+        before = valued.weight.to_torch()  # touching the values makes them (on the default mesh)
+        with pytest.raises(dt.MeshMismatchError, match="already has its values on"):
+            dt.parallelize_module(valued, mesh, dt.ColwiseParallel())
+        check.true(valued.weight.device_mesh != mesh and valued.weight.placements == (dt.Replicate(),),
+                   "a refused parallelize_module changes nothing")
+        check.equal(valued.weight.to_torch(), before, "refused: values kept")
+    check.done()

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, Checker, lengths_for, reference
+from conftest import RANK, SIZE, Checker, lengths_for, on_mesh, reference, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import Parameter
@@ -19,6 +19,19 @@ STEPS = 4
 PLACEMENTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
 PLACEMENTS_2D = [[a, b] for a in (dt.Shard(0), dt.Shard(1), dt.Replicate())
                  for b in (dt.Shard(0), dt.Shard(1), dt.Replicate())]
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
+    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
+
+
+@pytest.fixture
+def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """``mesh2d`` per array backend (see ``mesh1d``)."""
+    return xp_mesh2d
 
 
 def sgd_reference(p: np.ndarray, grads: list[np.ndarray], lr: float, momentum: float = 0.0,
@@ -224,7 +237,7 @@ def test_bad_hyperparameters(mesh1d: dt.DeviceMesh) -> None:
 def _partial_grad(mesh: dt.DeviceMesh, shape: tuple[int, ...], seed: int, op: str = "sum") -> tuple[dt.DTensor, np.ndarray]:
     """A gradient whose pieces are different terms on every rank, and its reduced value."""
     terms = [reference(shape, seed=seed * 100 + r) for r in range(SIZE)]
-    g = dt.DTensor.from_local(terms[RANK].copy(), mesh, [dt.Partial(op)] * mesh.ndim, shape=shape)
+    g = dt.DTensor.from_local(on_mesh(mesh, terms[RANK].copy()), mesh, [dt.Partial(op)] * mesh.ndim, shape=shape)
     return g, (sum(terms) if op == "sum" else sum(terms) / SIZE)
 
 
@@ -289,7 +302,7 @@ def test_reduce_gradients_packs_many_tensors(mesh1d: dt.DeviceMesh, mesh2d: dt.D
         reduce_gradients(single, bucket_bytes=0)
     for a, b in zip(packed, single):
         assert a.grad is not None and b.grad is not None
-        np.testing.assert_allclose(a.grad.to_local(), b.grad.to_local(), rtol=1e-13)
+        np.testing.assert_allclose(to_numpy(a.grad.to_local()), to_numpy(b.grad.to_local()), rtol=1e-13)
     if SIZE == 1:
         assert c_packed.count == c_single.count == 0
     else:

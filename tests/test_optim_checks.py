@@ -15,12 +15,19 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import SIZE, Checker, reference
+from conftest import SIZE, Checker, on_mesh, reference, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import Parameter
 
 N = 2 * SIZE + 1  # rows not divisible by the rank count
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every check
+    runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
 
 
 def _params(mesh: dt.DeviceMesh) -> list[tuple[str, Parameter]]:
@@ -36,8 +43,8 @@ def _grads(params: list[tuple[str, Parameter]], seed: int) -> None:
 
 def _snapshot(opt: dt.optim.Optimizer) -> Any:
     """Every parameter's and state tensor's complete value, the step counts and the groups."""
-    params = [np.array(p.to_torch()) for g in opt.param_groups for p in g["params"]]
-    state = {id(p): {k: (np.array(v.to_torch()) if isinstance(v, dt.DTensor) else v) for k, v in s.items()}
+    params = [to_numpy(p.to_torch()).copy() for g in opt.param_groups for p in g["params"]]
+    state = {id(p): {k: (to_numpy(v.to_torch()).copy() if isinstance(v, dt.DTensor) else v) for k, v in s.items()}
              for p, s in opt.state.items()}
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return params, state, copy.deepcopy(groups)
@@ -227,7 +234,7 @@ def test_step_after_parallelize_module_names_the_parameter(mesh1d: dt.DeviceMesh
     replicated run's."""
     make = (lambda ps: dt.optim.SGD(ps, lr=0.1, momentum=0.9)) if cls == "SGD" else (
         lambda ps: dt.optim.AdamW(ps, lr=0.1))
-    x = reference((4, 3), seed=2)
+    x = on_mesh(mesh1d, reference((4, 3), seed=2))  # a plain piece of the mesh's array library
 
     def model_and_opt() -> tuple[dt.nn.Linear, dt.optim.Optimizer]:
         dt.manual_seed(0)

@@ -13,15 +13,23 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, WORLD, Checker, lengths_for, reference
+from conftest import RANK, SIZE, WORLD, Checker, lengths_for, on_mesh, reference
 
 import dtorch_mpi as dt
 from dtorch_mpi import nn
+from dtorch_mpi.arrays import array_namespace
 from dtorch_mpi.nn import functional as F
 
 HIDDEN = sorted(set(lengths_for(SIZE)) | {6})  # 6: the issue's Linear(4, 6)
 TARGET = np.array([0, 1, 2, 0, 1])
 ADAMW = {"lr": 0.05, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
+    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
 
 
 def _mlp(mesh: dt.DeviceMesh, hidden: int) -> nn.Sequential:
@@ -53,7 +61,7 @@ def test_default_tp_plan_trains_like_the_replicated_model(mesh1d: dt.DeviceMesh,
     """Linear(4, h) -> GELU -> Linear(h, 3), cross_entropy, AdamW: the default plan's gradients
     and parameters equal the replicated model's, step by step; fc1 trains (its grad is
     Shard(0), as its weight), and the style's output supports the operators (``.relu()``)."""
-    x = reference((5, 4), seed=1)
+    x = on_mesh(mesh1d, reference((5, 4), seed=1))  # a plain piece of the mesh's array library
     tp, rep = _mlp(mesh1d, hidden), _mlp(mesh1d, hidden)
     dt.parallelize_module(tp, mesh1d, _default_plan())
     check.true(tp[0].weight.placements == (dt.Shard(0),), "fc1 weight Shard(0)")
@@ -78,7 +86,8 @@ def test_default_tp_plan_trains_like_the_replicated_model(mesh1d: dt.DeviceMesh,
 def test_local_output_that_would_cut_the_graph_is_refused(mesh1d: dt.DeviceMesh, check: Checker) -> None:
     """use_local_output=True returns a plain array only where nothing requires grad (no_grad,
     frozen parameters); with grad on it raises on every rank, naming the fix."""
-    x = reference((5, 4), seed=1)
+    x = on_mesh(mesh1d, reference((5, 4), seed=1))
+    plain = array_namespace(mesh1d.device_type).ndarray
     for style in (dt.ColwiseParallel(use_local_output=True), dt.RowwiseParallel(use_local_output=True,
                                                                                 input_layouts=dt.Replicate())):
         lin = nn.Linear(4, 2 * SIZE + 1, device_mesh=mesh1d, dtype=np.float64)
@@ -88,14 +97,14 @@ def test_local_output_that_would_cut_the_graph_is_refused(mesh1d: dt.DeviceMesh,
                                                rf"use_local_output=False.*no_grad"):
             lin(x)
         with dt.no_grad():
-            check.true(isinstance(lin(x), np.ndarray), f"{name}: a plain piece under no_grad")
+            check.true(isinstance(lin(x), plain), f"{name}: a plain piece under no_grad")
         for p in lin.parameters():
             p.requires_grad_(False)
-        check.true(isinstance(lin(x), np.ndarray), f"{name}: a plain piece with frozen parameters")
+        check.true(isinstance(lin(x), plain), f"{name}: a plain piece with frozen parameters")
     emb = nn.Embedding(2 * SIZE + 1, 3, device_mesh=mesh1d, dtype=np.float64)
     dt.parallelize_module(emb, mesh1d, dt.RowwiseParallel(use_local_output=True))
     with pytest.raises(RuntimeError, match=r"RowwiseParallel\(use_local_output=True\)"):
-        emb(np.array([0, 1]))
+        emb(on_mesh(mesh1d, np.array([0, 1])))
     check.done()
 
 
@@ -129,6 +138,9 @@ def test_default_tp_plan_matches_pytorch(mesh1d: dt.DeviceMesh, check: Checker, 
     Colwise hands a local tensor whose global shape its Rowwise infers as an even split, so
     where ``hidden`` is uneven PyTorch's side uses ``ColwiseParallel(use_local_output=False)``
     (our default plan is the same on both)."""
+    if mesh1d.device_type != "cpu":
+        pytest.skip("PyTorch interop: the reference is PyTorch's CPU tensor parallel over gloo, fed NumPy "
+                    "pieces; the device plan is checked against the replicated model above")
     torch = torch_tp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -5,7 +5,9 @@ tensor-parallel plan), with SGD +
 momentum and AdamW, on a regression (mse_loss) and a classification (vocab-parallel
 cross_entropy) task, equals a single-process NumPy reference of the same math (forward and
 backward by hand, the optimizers' formulas) step by step, in float64, to 1e-9. Training state
-saved under one plan and resumed under another continues the uninterrupted run exactly."""
+saved under one plan and resumed under another continues the uninterrupted run exactly. Every
+test runs per array backend (``xp_device``: NumPy pieces, and CuPy ones on a "cuda" mesh, the
+emulated CuPy under ``--device emulated``)."""
 
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ STEPS = 4
 @pytest.mark.parametrize("task", sorted(train_mlp.OUT))
 @pytest.mark.parametrize("optimizer", sorted(train_mlp.OPTIMIZERS))
 @pytest.mark.parametrize("plan", PLANS)
-def test_training_matches_the_numpy_reference(plan: str, optimizer: str, task: str) -> None:
-    losses, initial, final = train_mlp.train(plan, optimizer, task, steps=STEPS)
+def test_training_matches_the_numpy_reference(plan: str, optimizer: str, task: str, xp_device: str) -> None:
+    losses, initial, final = train_mlp.train(plan, optimizer, task, steps=STEPS, device=xp_device)
     want_losses, want_final = train_mlp.reference(initial, optimizer, task, steps=STEPS)
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=1e-9)
     assert losses[-1] < losses[0], f"loss did not decrease: {losses}"
@@ -41,10 +43,10 @@ def test_training_matches_the_numpy_reference(plan: str, optimizer: str, task: s
         assert not np.allclose(value, initial[name]), f"{name} did not move"
 
 
-def test_plans_place_parameters_and_reduce_gradients_packed() -> None:
+def test_plans_place_parameters_and_reduce_gradients_packed(xp_device: str) -> None:
     """The tp/dp_tp plans shard the parameters as declared, and one step's gradient reduction
     is packed: data parallel all-reduces all six gradients in one collective."""
-    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    mesh = dt.init_device_mesh(xp_device, (SIZE,))
     try:
         dt.manual_seed(0)
         model = train_mlp.MLP(3, mesh)
@@ -78,13 +80,14 @@ RESUMES = [(a, b) for a, b in (("tp", "dp"), ("dp", "tp"), ("replicated", "dp_tp
 
 
 def run_steps(plan: str, optimizer: str, task: str, steps: int, *, seed: int = 0, lr_scale: float = 1.0,
-              save: str | None = None, resume: str | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
+              save: str | None = None, resume: str | None = None,
+              device: str = "cpu") -> tuple[list[float], dict[str, np.ndarray]]:
     """train_mlp's model, plan, data and step, resumable: ``resume`` loads model + optimizer +
     step count from a checkpoint into a freshly built (differently seeded) model; ``save``
     writes them after the steps. Returns the losses and the final parameters (complete)."""
     shape = train_mlp.mesh_shape(plan, SIZE)
     assert shape is not None
-    mesh = dt.init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp")[-len(shape):])
+    mesh = dt.init_device_mesh(device, shape, mesh_dim_names=("dp", "tp")[-len(shape):])
     try:
         dt.manual_seed(seed)
         model = train_mlp.MLP(train_mlp.OUT[task], mesh)
@@ -112,7 +115,7 @@ def run_steps(plan: str, optimizer: str, task: str, steps: int, *, seed: int = 0
             losses.append(float(loss.to_torch()))
         if save:
             dt.save({"model": model, "optim": opt, "step": (state["step"] or 0) + steps}, save)
-        return losses, {k: np.array(p.to_torch()) for k, p in params}
+        return losses, {k: train_mlp.host(p.to_torch()) for k, p in params}
     finally:
         mesh.free()
 
@@ -120,15 +123,15 @@ def run_steps(plan: str, optimizer: str, task: str, steps: int, *, seed: int = 0
 @pytest.mark.parametrize("optimizer", sorted(train_mlp.OPTIMIZERS))
 @pytest.mark.parametrize(("saved_on", "resumed_on"), RESUMES)
 def test_resume_on_another_plan_continues_the_uninterrupted_run(saved_on: str, resumed_on: str, optimizer: str,
-                                                               shared_dir: str) -> None:
+                                                               shared_dir: str, xp_device: str) -> None:
     """N steps under one plan, saved; a fresh model and optimizer (other initial weights, other
     lr) under another plan and mesh shape load it and train M more steps: the losses and final
     parameters equal the uninterrupted N + M steps (float64, 1e-12)."""
     n, m, task = 3, 3, "classification"
     want_losses, _, want_final = train_mlp.train(saved_on, optimizer, task, steps=n + m)
     path = os.path.join(shared_dir, "resume.h5")
-    first, _ = run_steps(saved_on, optimizer, task, n, save=path)
-    rest, final = run_steps(resumed_on, optimizer, task, m, seed=1, lr_scale=3.0, resume=path)
+    first, _ = run_steps(saved_on, optimizer, task, n, save=path, device=xp_device)
+    rest, final = run_steps(resumed_on, optimizer, task, m, seed=1, lr_scale=3.0, resume=path, device=xp_device)
     np.testing.assert_allclose(first + rest, want_losses, rtol=0, atol=1e-12)
     for name, value in want_final.items():
         np.testing.assert_allclose(final[name], value, rtol=0, atol=1e-12, err_msg=name)

@@ -20,14 +20,15 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from ..dtensor import DTensor
-from ..errors import ShapeMismatchError
+from ..errors import MeshMismatchError, ShapeMismatchError
 from ..grad_mode import is_grad_enabled
 from ..mesh import DeviceMesh
-from ..placement import Placement, Replicate, Shard
+from ..placement import Placement, Replicate, Shard, normalize_placements
+from ..spec import DTensorSpec
 from ..split import local_shape_and_offset
 from ..spmd import agreed
 from . import functional as F
-from .deferred import materialize
+from .deferred import is_deferred, materialize, materialize_as
 from .layers import Embedding, Linear
 from .module import Module, Parameter
 
@@ -45,12 +46,30 @@ class ParallelStyle:
                 f"output_layouts={self.output_layouts!r}, use_local_output={self.use_local_output})")
 
 
-def _shard_param(param: Parameter | None, placement: Placement) -> None:
-    """Put ``param`` in ``placement``, its piece in an allocation of its own: a deferred
-    parameter makes only its shard (no complete value on any rank), one with values is
-    sliced and copied (nn/deferred.py)."""
-    if param is not None:
+def _shard_param(param: Parameter | None, placement: Placement, mesh: DeviceMesh, style: str) -> None:
+    """Put ``param`` in ``placement`` on the style's ``mesh``, its piece in an allocation of its
+    own: a deferred parameter makes only its shard (no complete value on any rank), one with
+    values is sliced and copied (nn/deferred.py).
+
+    A deferred parameter made for another mesh (a layer built without ``device_mesh`` has the
+    default CPU world mesh) is made on ``mesh`` instead, as PyTorch's ``parallelize_module``
+    moves a module's tensors onto its mesh (a ``"cuda"`` mesh: CuPy pieces). One whose values
+    already live on another mesh is refused, on every rank of ``mesh``: moving them is a
+    collective over both meshes, which a style does not do implicitly."""
+    if param is None:
+        return
+    if param.device_mesh == mesh:
         materialize(param, [placement])
+        return
+    with agreed(mesh.get_comm()):
+        if not is_deferred(param):
+            raise MeshMismatchError(
+                f"{style}: a parameter of shape {tuple(param.shape)} already has its values on "
+                f"{param.device_mesh!r}, not on the style's {mesh!r}; build the layer with "
+                f"device_mesh= that mesh (or load its values after parallelize_module), or move it "
+                f"explicitly with to_torch() + distribute_tensor()")
+    target = normalize_placements([placement], mesh.ndim, len(param.shape))
+    materialize_as(param, DTensorSpec(mesh, target, tuple(param.shape), param.dtype))
 
 
 def _as_input(x: Any, layout: Placement, mesh: DeviceMesh, in_features: int, style: str) -> DTensor:
@@ -91,7 +110,7 @@ def _embedding_style(module: Embedding, mesh: DeviceMesh, weight: Placement, sty
     the lookup is redistributed to the style's ``output_layouts`` (the only communication)."""
     if mesh.ndim != 1:
         raise ValueError(f"{type(style).__name__} needs a 1-D mesh; pass a sub-mesh such as mesh['tp']")
-    _shard_param(module.weight, weight)
+    _shard_param(module.weight, weight, mesh, type(style).__name__)
 
     def forward(index: Any) -> Any:
         if isinstance(index, DTensor) and index.placements != (Replicate(),):
@@ -159,9 +178,9 @@ class _LinearStyle(ParallelStyle):
         if isinstance(module, Embedding):
             return _embedding_style(module, mesh, embedding, self)
         lin = _check_linear(module, type(self).__name__, mesh)
-        _shard_param(lin.weight, weight)
-        if bias is not None:
-            _shard_param(lin.bias, bias)
+        _shard_param(lin.weight, weight, mesh, type(self).__name__)
+        if bias is not None or (lin.bias is not None and lin.bias.device_mesh != mesh):  # a kept bias moves Replicate
+            _shard_param(lin.bias, bias or Replicate(), mesh, type(self).__name__)
         object.__setattr__(lin, "forward", self._forward(lin, mesh))
         return lin
 
