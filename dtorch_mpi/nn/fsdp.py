@@ -107,27 +107,45 @@ class _Slot:
 
 
 class _Buffer:
-    """One unit's gathered parameters, in one allocation that can give its memory back."""
+    """One unit's gathered parameters, in one allocation that can give its memory back.
+
+    Host memory: a private anonymous mapping whose pages ``release`` hands back in place
+    (``MADV_DONTNEED``; the views stay valid and read zeros until written again). Device
+    memory cannot be given back in place: ``release`` drops the allocation (it is freed once
+    nothing else, such as a tensor saved for backward, still refers to it) and the next
+    ``ensure`` makes a fresh one, whose views the unit points its gathered parameters at."""
 
     def __init__(self, specs: list[tuple[tuple[int, ...], np.dtype]], device_type: str) -> None:
-        offsets, at = [], 0
+        self._specs = specs
+        self._offsets, at = [], 0
         for shape, dtype in specs:
-            offsets.append(at)
+            self._offsets.append(at)
             at += -(-int(np.prod(shape, dtype=np.int64)) * dtype.itemsize // _ALIGN) * _ALIGN
-        self._map: mmap.mmap | None = None
-        if device_type == "cpu":
-            self._map = mmap.mmap(-1, max(at, 1), flags=mmap.MAP_PRIVATE)  # private: DONTNEED frees the pages
-            raw: Any = np.frombuffer(self._map, dtype=np.uint8)
-        else:  # device memory cannot be given back in place: the buffer stays allocated
-            raw = array_namespace(device_type).empty(max(at, 1), dtype=np.uint8)
-        self.views = [raw[o:o + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
-                      for (shape, dtype), o in zip(specs, offsets)]
         self.nbytes = at
+        self._device_type = device_type
+        self._map: mmap.mmap | None = None
+        self.views: list[Any] = []
+        self.ensure()
+
+    def ensure(self) -> bool:
+        """Make sure the buffer is allocated; True when this made a new allocation (new views)."""
+        if self.views:
+            return False
+        if self._device_type == "cpu":
+            self._map = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE)  # private: DONTNEED frees the pages
+            raw: Any = np.frombuffer(self._map, dtype=np.uint8)
+        else:
+            raw = array_namespace(self._device_type).empty(max(self.nbytes, 1), dtype=np.uint8)
+        self.views = [raw[o:o + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+                      for (shape, dtype), o in zip(self._specs, self._offsets)]
+        return True
 
     def release(self) -> None:
-        """Give the pages back (their contents read as zeros until written again)."""
+        """Give the memory back: the pages in place (host), or the allocation (device)."""
         if self._map is not None:
             self._map.madvise(mmap.MADV_DONTNEED)
+        else:
+            self.views = []
 
 
 @dataclass
@@ -208,6 +226,9 @@ class _Unit:
         buffer; a no-op unless free."""
         if self.state != "free":
             return
+        if self.buffer.ensure():  # a device buffer made anew: the gathered parameters point at it
+            for s, view in zip(self.slots, self.buffer.views):
+                s.gathered._replace(view, s.gathered.spec)
         self.pending = [_start_gather(s.sharded, view) for s, view in zip(self.slots, self.buffer.views)]
         self.state = "pending"
 
@@ -227,6 +248,9 @@ class _Unit:
                 finish()  # a prefetch nobody used: its collective still completes
             self.pending = []
         self.buffer.release()
+        if not self.buffer.views:  # a device buffer was dropped: so must the references to it
+            for s in self.slots:
+                s.gathered._replace(None, s.gathered.spec)
         self.state = "free"
 
     def expose(self, gathered: bool) -> None:
@@ -465,8 +489,8 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     buffer = _Buffer([(spec.local_shape, spec.dtype) for spec in specs], mesh.device_type)
     for s, view, spec in zip(slots, buffer.views, specs):
         s.gathered = Parameter(DTensor(view, spec), requires_grad=s.sharded.requires_grad)
-    buffer.release()
     unit = _Unit(module, mesh, slots, buffer, reshard_after_forward)
+    unit.free()  # the buffer's memory goes back until the first gather
     for s in slots:
         if s.gathered.requires_grad:
             register_post_accumulate_grad_hook(s.gathered, _on_grad_complete(unit, s))
