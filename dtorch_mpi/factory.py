@@ -16,7 +16,8 @@ from .comm import Group, backend_for
 from .comm.config import spmd_debug
 from .comm.deadline import wait_request
 from .comm.layout import with_dim
-from .dtensor import DTensor, checked_shape, debug_check_mesh, make_spec, mesh_name
+from .construction import checked_shape, debug_check_mesh, make_spec, mesh_name
+from .dtensor import DTensor
 from .dtypes import check_dtype, dtype_code, dtype_from_code, identity_value, to_native
 from .errors import DTypeMismatchError, MeshMismatchError, ShapeMismatchError
 from .mesh import DeviceMesh

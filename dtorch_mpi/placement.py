@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -107,3 +108,20 @@ def normalize_placements(
             p = Shard(d)
         result.append(p)
     return tuple(result)
+
+
+@lru_cache(maxsize=1024)
+def _normalized_tuple(placements: tuple[Placement, ...], mesh_ndim: int, ndim: int) -> tuple[Placement, ...]:
+    return normalize_placements(placements, mesh_ndim, ndim)
+
+
+def normalized_placements(placements: Sequence[Placement] | Placement, mesh_ndim: int,
+                          ndim: int) -> tuple[Placement, ...]:
+    """``normalize_placements``, cached per (placements, mesh ndim, tensor ndim): from_local and
+    redistribute normalise the same few placements on every call."""
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    try:
+        return _normalized_tuple(tuple(placements), mesh_ndim, ndim)
+    except TypeError:  # unhashable entries: let normalize_placements name the problem
+        return normalize_placements(placements, mesh_ndim, ndim)

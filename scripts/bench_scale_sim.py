@@ -65,7 +65,7 @@ def item4() -> None:
 def item7() -> None:
     from standin_comm import StandInComm
 
-    from dtorch_mpi.dtensor import _from_local_checked
+    from dtorch_mpi.construction import _from_local_checked
 
     class Mesh:
         device_type, ndim, identity = "cpu", 1, (0,)

@@ -80,6 +80,64 @@ def test_route_choice_is_a_function_of_group_wide_sizes() -> None:
         True, True, False]
 
 
+@pytest.mark.rank_independent
+@pytest.mark.path_independent
+def test_layout_arithmetic_against_numpy() -> None:
+    """comm/layout.py's pure plans for simulated groups of 1-4 ranks and lengths 0, below, equal
+    to and not divisible by the rank count: v-counts, the padded path's kept rows, the pack by
+    destination (mpi_backend's NumPy copies over ``destination_runs``), and an all-to-all's
+    counts matching between every sender and receiver on every path."""
+    from dtorch_mpi.comm import layout, mpi_backend
+
+    for m in (1, 2, 3, 4):
+        for n in sorted({0, m - 1, m, m + 1, 2 * m + 1}):
+            sizes = tuple(split_sizes(n, m))
+            starts = np.cumsum((0,) + sizes)[:-1].tolist()
+            assert layout.gather_v_spec(sizes, 3) == ([k * 3 for k in sizes], [o * 3 for o in starts])
+            width = max(sizes)
+            want_rows = [r * width + i for r, k in enumerate(sizes) for i in range(k)]
+            assert layout.padded_rows(sizes, width).tolist() == want_rows
+            src3 = np.arange(2 * n * 3, dtype=np.float64).reshape(2, n, 3)
+            for pad in (None, width):
+                blocks = []
+                for o, k in zip(starts, sizes):
+                    block = np.zeros((2, pad if pad is not None else k, 3))
+                    block[:, :k] = src3[:, o : o + k]
+                    blocks.append(block.reshape(-1))
+                got = mpi_backend._pack_by_destination(src3, sizes, pad, src3.dtype)
+                assert np.array_equal(got, np.concatenate(blocks)), (m, n, pad)
+            # Shard(0) -> Shard(1) of an (n, 2m+1) array: what rank j sends rank i, i receives from j
+            csizes = tuple(split_sizes(2 * m + 1, m))
+            for path in ("auto", "variable", "padded"):
+                lays = [layout.a2a_layout(path, (sizes[me], 2 * m + 1), (n, csizes[me]), 1, csizes, 0, sizes, 8,
+                                          mpi_backend.ALLTOALLV_FROM, 0, m, me) for me in range(m)]
+                assert len({lay.route for lay in lays}) == 1, (path, m, n)
+                if lays[0].route is layout.Route.A2A_V:
+                    for i in range(m):
+                        for j in range(m):
+                            assert lays[j].send_spec[0][i] == lays[i].recv_spec[0][j], (path, m, n, i, j)
+
+
+@pytest.mark.rank_independent
+@pytest.mark.path_independent
+def test_by_identity_keys_long_tuples_by_identity() -> None:
+    """A list argument is keyed by value; a tuple over 16 items by identity (an equal tuple is a
+    miss that computes the same value again)."""
+    from dtorch_mpi.comm.layout import by_identity
+
+    calls = []
+
+    @by_identity(maxsize=4)
+    def total(sizes: tuple[int, ...]) -> int:
+        calls.append(sizes)
+        return sum(sizes)
+
+    long = tuple(range(20))
+    assert total(long) == total(long) == 190 and len(calls) == 1
+    assert total(tuple(range(20))) == 190 and len(calls) == 2
+    assert total([1, 2]) == total([1, 2]) == total((1, 2)) == 3 and len(calls) == 3
+
+
 @pytest.mark.skipif(SIZE == 1, reason="a divergence needs two ranks")
 def test_spmd_debug_compares_the_mpi_level_call(mesh1d: dt.DeviceMesh) -> None:
     """Same library call on every rank, different MPI call: debug mode names it."""

@@ -201,7 +201,7 @@ def test_equal_block_all_to_all_with_and_without_strided_datatypes(
     """Below STRIDED_A2A_BELOW an equal-block all-to-all reads and writes its strided sides
     through vector datatypes, from it through a NumPy pack and unpack: both are right for every
     shard pair (the uneven shapes take the other routes), and the layout says which is taken."""
-    from dtorch_mpi.comm import mpi_backend
+    from dtorch_mpi.comm import layout, mpi_backend
 
     monkeypatch.setattr(mpi_backend, "STRIDED_A2A_BELOW", strided_below)
     shards = [dt.Shard(0), dt.Shard(1), dt.Shard(2)]
@@ -215,10 +215,10 @@ def test_equal_block_all_to_all_with_and_without_strided_datatypes(
     # S(0) -> S(1) of (2m, 2m, 3): the send side splits dim 1 (strided), the output is contiguous;
     # S(1) -> S(0): contiguous send side, strided output
     m, me = SIZE, RANK
-    s01 = mpi_backend._a2a_layout(dt.comm.comm_path(), (2, 2 * m, 3), (2 * m, 2, 3), 1, (2,) * m, 0, (2,) * m, 8,
-                                  mpi_backend.ALLTOALLV_FROM, strided_below, m, me)
-    s10 = mpi_backend._a2a_layout(dt.comm.comm_path(), (2 * m, 2, 3), (2, 2 * m, 3), 0, (2,) * m, 1, (2,) * m, 8,
-                                  mpi_backend.ALLTOALLV_FROM, strided_below, m, me)
+    s01 = layout.a2a_layout(dt.comm.comm_path(), (2, 2 * m, 3), (2 * m, 2, 3), 1, (2,) * m, 0, (2,) * m, 8,
+                            mpi_backend.ALLTOALLV_FROM, strided_below, m, me)
+    s10 = layout.a2a_layout(dt.comm.comm_path(), (2 * m, 2, 3), (2, 2 * m, 3), 0, (2,) * m, 1, (2,) * m, 8,
+                            mpi_backend.ALLTOALLV_FROM, strided_below, m, me)
     typed = strided_below > 0 and dt.comm.comm_path() != "padded"
     check.true((s01.send_vector == (2, 6, 6 * m)) == typed and s01.recv_vector is None, f"{s01}")
     check.true((s10.recv_vector == (2, 6, 6 * m)) == typed and s10.send_vector is None, f"{s10}")

@@ -146,13 +146,13 @@ def test_from_local_metadata_does_not_grow_with_the_ranks() -> None:
     """from_local's checked path (issue 27 item 7) at 64 and 16,384 simulated ranks: the same
     fixed-size reductions and no gather of a ranks-long table (was ranks x 69 int64: 9 MB at
     16,384; scripts/bench_scale_sim.py times it)."""
-    from dtorch_mpi.dtensor import _from_local_checked
+    from dtorch_mpi.construction import _from_local_checked
 
     seen = {}
     for p in (64, 16384):
         mesh = _FakeMesh(p)
-        x = _from_local_checked(np.zeros((2, 3)), mesh, [S0], (2 * p, 3))  # type: ignore[arg-type]
-        assert x.shape == (2 * p, 3)
+        _, spec = _from_local_checked(np.zeros((2, 3)), mesh, [S0], (2 * p, 3))  # type: ignore[arg-type]
+        assert spec.shape == (2 * p, 3)
         assert set(mesh.comm.calls) == {"Iallreduce"}
         seen[p] = mesh.comm.sizes
     assert seen[64] == seen[16384] and sum(n for _, n in seen[64]) < 100

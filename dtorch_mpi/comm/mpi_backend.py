@@ -3,7 +3,10 @@
 Pieces split along a tensor axis are described with derived datatypes (vectors, subarrays),
 so a gather along an inner axis or an all-to-all writes straight into its output with no
 re-layout temporaries. Unequal pieces use the ``v``/``w`` collectives, or, on the padded path
-(the one NCCL needs), equal-size collectives with padding added and removed here.
+(the one NCCL needs), equal-size collectives with padding added and removed here. The counts,
+displacements and per-shape plans come from comm/layout.py (pure), the routes from
+comm/routes.py; this module makes the MPI calls, the derived datatypes they use (cached, freed
+with ``free_cached_types``) and the NumPy packs and unpacks around them.
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import lru_cache
-from math import prod
-from typing import Any, NamedTuple, TypeVar
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -21,9 +23,20 @@ from ..dtypes import WIDENED, element_type, reduction_type
 from . import pool
 from .config import comm_path
 from .group import Group
-from .layout import offsets, view3, with_dim
+from .layout import (
+    a2a_layout,
+    destination_runs,
+    exchange_plan,
+    gather_layout,
+    gather_v_spec,
+    offsets,
+    padded_rows,
+    size_facts,
+    view3,
+    with_dim,
+)
 from .reduce_ops import nan_aware_op
-from .routes import Route, all_to_all_bytes, all_to_all_route, gather_route
+from .routes import Route, all_to_all_route
 from .work import Done, Work, progress_in_background, reap, waited
 
 _TYPE_CACHE: "OrderedDict[tuple[Any, ...], MPI.Datatype]" = OrderedDict()
@@ -38,39 +51,6 @@ def free_cached_types() -> None:
     while _W_TYPES:
         for t in _W_TYPES.popitem()[1][1]:
             t.Free()
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def by_identity(maxsize: int) -> Callable[[F], F]:
-    """Cache a pure layout function on its arguments, a long tuple argument (over 16 items) by
-    *identity*: hashing a tuple of every rank's sizes costs O(ranks) per call (tuples do not keep their hash), and the
-    sizes a compiled plan passes are one object on every call (``split_sizes`` is cached). An
-    entry keeps its arguments alive, so an id in a key is never reused while the entry lives;
-    another tuple of equal sizes is a miss that computes the same layout again."""
-    def wrap(fn: F) -> F:
-        cache: "OrderedDict[tuple[Any, ...], tuple[tuple[Any, ...], Any]]" = OrderedDict()
-
-        def cached(*args: Any) -> Any:
-            if list in map(type, args):  # a caller's list of sizes: by value
-                args = tuple(tuple(a) if type(a) is list else a for a in args)
-            key = tuple([(id(a),) if type(a) is tuple and len(a) > 16 else a for a in args])
-            hit = cache.get(key)
-            if hit is not None:
-                return hit[1]
-            value = fn(*args)
-            cache[key] = (args, value)
-            if len(cache) > maxsize:
-                cache.popitem(last=False)
-            return value
-
-        cached.cache_clear = cache.clear  # type: ignore[attr-defined]
-        cached.__wrapped__ = fn  # type: ignore[attr-defined]
-        cached.__doc__ = fn.__doc__
-        return cached  # type: ignore[return-value]
-
-    return wrap
 
 
 def _strided_block_type(itemsize: int, outer: int, block: int, stride: int) -> MPI.Datatype:
@@ -142,7 +122,7 @@ def _contiguous(a: Any) -> Any:
 
 
 def _gather_call(send: Any, out: Any, facts: dict[str, Any], path: str) -> tuple[str, bool]:
-    route = _gather_layout(path, out.shape, facts["axis"], tuple(facts["sizes"]), out.dtype.itemsize)[3]
+    route = gather_layout(path, out.shape, facts["axis"], tuple(facts["sizes"]), out.dtype.itemsize)[3]
     return route.value, route.padded
 
 
@@ -218,7 +198,7 @@ class MPIBackend:
         m = group.size
         item = out.dtype.itemsize
         sizes = tuple(sizes)  # (the same object when a tuple: the layout caches key long ones by identity)
-        outer, length, inner, route, offs = _gather_layout(comm_path(), out.shape, axis, sizes, item)
+        outer, length, inner, route, offs = gather_layout(comm_path(), out.shape, axis, sizes, item)
         send = _contiguous(send)
         etype = element_type(item)
         comm = group.comm
@@ -233,7 +213,7 @@ class MPIBackend:
         if route is _GATHER_PADDED_COMPACT:
             return self._gather_padded_in_place(group, send, out, sizes, inner, async_op)
         if route is _GATHER_PADDED_STRIDED:
-            mx = _size_facts(sizes)[1]
+            mx = size_facts(sizes)[1]
             pad_send = _xp(out).zeros(with_dim(send.shape, axis, mx), dtype=out.dtype)
             pad_send[tuple(slice(0, n) for n in send.shape)] = send
             pad_out = _empty(out, with_dim(out.shape, axis, m * mx), out.dtype)
@@ -241,7 +221,7 @@ class MPIBackend:
             rtype = etype if outer == 1 else _strided_block_type(item, outer, mx * inner, m * mx * inner)
             rcount = count if outer == 1 else 1
 
-            keep = _padded_rows(sizes, mx)
+            keep = padded_rows(sizes, mx)
 
             def finish() -> np.ndarray:  # one gather of the kept rows (no loop over ranks)
                 out.reshape(outer, length, inner)[...] = pad_out.reshape(outer, m * mx, inner)[:, keep, :]
@@ -254,7 +234,7 @@ class MPIBackend:
                 finish, (pad_send, pad_out, out),
             )
         if route is _GATHER_V:
-            spec = [out, _gather_v_spec(sizes, inner), etype]
+            spec = [out, gather_v_spec(sizes, inner), etype]
             return self._run(
                 _what("all_gather", group.mesh_dim, group.size),
                 async_op,
@@ -285,14 +265,14 @@ class MPIBackend:
         (faster than gathering into a temporary and copying out). The result is a view of that buffer (at most ``m`` rows
         longer than ``out``); ``out`` itself is not used."""
         m = group.size
-        mx = _size_facts(sizes)[1] * inner
+        mx = size_facts(sizes)[1] * inner
         etype = element_type(out.dtype.itemsize)
         buf = _empty(out, m * mx, out.dtype)
         pad_send = _empty(out, mx, out.dtype)
         pad_send[: send.size] = send.reshape(-1)
         comm = group.comm
 
-        keep = _padded_rows(sizes, mx // inner) if inner else None
+        keep = padded_rows(sizes, mx // inner) if inner else None
 
         def finish() -> np.ndarray:  # the kept rows slid down (one gather, no loop over ranks)
             if keep is None:
@@ -323,8 +303,8 @@ class MPIBackend:
         """Block ``j`` of ``send`` along ``split_axis`` goes to rank ``j``; the blocks received
         from rank ``j`` fill block ``j`` of ``out`` along ``concat_axis``."""
         item = out.dtype.itemsize
-        lay = _a2a_layout(comm_path(), send.shape, out.shape, split_axis, tuple(split_sizes), concat_axis,
-                          tuple(concat_sizes), item, ALLTOALLV_FROM, STRIDED_A2A_BELOW, group.size, group.rank)
+        lay = a2a_layout(comm_path(), send.shape, out.shape, split_axis, tuple(split_sizes), concat_axis,
+                         tuple(concat_sizes), item, ALLTOALLV_FROM, STRIDED_A2A_BELOW, group.size, group.rank)
         send = _contiguous(send)
         etype = element_type(item)
         comm = group.comm
@@ -371,8 +351,8 @@ class MPIBackend:
         """Each rank sends the blocks ``layout.sends`` names to their peers and receives the
         blocks ``layout.recvs`` names (redistribute/traffic.py ``ExchangeLayout``); the own
         block is one NumPy copy. One ``Alltoallv`` over the mesh communicator, counts and
-        displacements prepared once per layout (``_exchange_plan``)."""
-        plan = _exchange_plan(layout, group.size)
+        displacements prepared once per layout (``exchange_plan``)."""
+        plan = exchange_plan(layout, group.size)
         send = _contiguous(send)
         etype = element_type(out.dtype.itemsize)
         if plan.own is not None:
@@ -438,7 +418,7 @@ class MPIBackend:
         wide = WIDENED.get(out.dtype)
         dtype = wide or out.dtype
         mtype, op = _reduction(dtype, reduce_op, _xp(out) is np)
-        uneven, largest = _size_facts(sizes)
+        uneven, largest = size_facts(sizes)
         padded = comm_path() == "padded" and uneven
         width = largest if padded else None
         src3 = _contiguous(send).reshape(outer, length, inner)
@@ -449,7 +429,7 @@ class MPIBackend:
         direct = wide is None and not padded and out.flags.c_contiguous
         dst = out if direct else _empty(out, outer * (width or sizes[me]) * inner, dtype)
         comm = group.comm
-        counts = _gather_v_spec(sizes, outer * inner)[0]
+        counts = gather_v_spec(sizes, outer * inner)[0]
 
         def finish() -> np.ndarray:
             if reduce_op == "avg":
@@ -496,7 +476,7 @@ class MPIBackend:
         item = out.dtype.itemsize
         etype = element_type(item)
         padded = comm_path() == "padded"
-        width = _size_facts(sizes)[1]
+        width = size_facts(sizes)[1]
         if me == root:
             assert send is not None
             outer, length, inner = view3(send.shape, axis)
@@ -519,7 +499,7 @@ class MPIBackend:
             start: Callable[..., MPI.Request] = comm.Iscatter
             args: tuple[Any, ...] = ([pack, count, etype], [recv, count, etype])
         else:
-            sspec = [pack, _gather_v_spec(sizes, outer * inner), etype]
+            sspec = [pack, gather_v_spec(sizes, outer * inner), etype]
             start = comm.Iscatterv
             args = (sspec, [recv, recv.size, etype])
         return self._run(_what("scatter", group.mesh_dim, group.size), async_op, start, args, finish,
@@ -537,56 +517,17 @@ def _pack_by_destination(src3: Any, sizes: Sequence[int], width: int | None, dty
     """Copy the ``(outer, length, inner)`` source into one buffer ordered by destination rank:
     rank ``i``'s ``sizes[i]`` rows, each block ``width`` rows long (zero-padded) when given."""
     outer, _, inner = src3.shape
-    runs, total = _destination_runs(tuple(sizes), outer * inner, width)
+    runs, total = destination_runs(tuple(sizes), outer * inner, width)
     xp = _xp(src3)
     pack = xp.zeros(total, dtype=dtype) if width else pool.empty(xp, total, dtype)
     _copy_runs(runs, pack, src3, True, rows_padded=width is not None)
     return pack
 
 
-@by_identity(maxsize=256)
-def _destination_runs(sizes: tuple[int, ...], per_row: int, width: int | None) -> tuple[Any, int]:
-    """``_pack_by_destination``'s copies as runs of equal blocks (``_runs``) and its length."""
-    slot = None if width is None else width * per_row
-    counts = [(width if width is not None else n) * per_row for n in sizes]
-    return _runs(list(zip(offsets(counts), sizes, offsets(sizes))), per_row, slot), sum(counts)
-
-
-@by_identity(maxsize=256)
-def _size_facts(sizes: Sequence[int]) -> tuple[bool, int]:
-    """``(whether the blocks are unequal, the largest)``, once per size list."""
-    return len(set(sizes)) > 1, max(sizes)
-
-
 @lru_cache(maxsize=256)
 def _reduction(dtype: np.dtype, reduce_op: str, host: bool) -> tuple[MPI.Datatype, MPI.Op]:
     """The MPI datatype and op reducing ``dtype`` by ``reduce_op`` (made once per triple)."""
     return reduction_type(dtype), nan_aware_op(dtype, reduce_op, host)
-
-
-@by_identity(maxsize=1024)
-def _gather_layout(path: str, out_shape: tuple[int, ...], axis: int, sizes: tuple[int, ...],
-                   itemsize: int) -> tuple[int, int, int, Route, list[int]]:
-    """An all-gather's ``(outer, length, inner)`` view, route and block offsets: a pure function
-    of its arguments, computed once instead of per call."""
-    outer, length, inner = view3(out_shape, axis)
-    route = gather_route(path, sizes, outer, prod(out_shape) * itemsize)
-    return outer, length, inner, route, offsets(sizes)
-
-
-@by_identity(maxsize=256)
-def _gather_v_spec(sizes: Sequence[int], inner: int) -> tuple[list[int], list[int]]:
-    """An ``Allgatherv``'s receive counts and displacements (elements)."""
-    counts = [n * inner for n in sizes]
-    return counts, offsets(counts)
-
-
-@by_identity(maxsize=256)
-def _padded_rows(sizes: Sequence[int], width: int) -> np.ndarray:
-    """The rows of a gather padded to ``width`` rows per rank that hold data, in order."""
-    starts = np.repeat(np.arange(len(sizes)) * width, sizes)
-    within = np.arange(sum(sizes)) - np.repeat(np.asarray(offsets(sizes), dtype=np.int64), sizes)
-    return starts + within
 
 
 _W_TYPES: "OrderedDict[tuple[Any, ...], tuple[Any, list[MPI.Datatype]]]" = OrderedDict()
@@ -627,44 +568,6 @@ def _gather_w_specs(item: int, outer: int, length: int, inner: int, sizes: tuple
     return specs[:3], list(owned.values())
 
 
-class _A2ALayout(NamedTuple):
-    """An all-to-all's block arithmetic for one (path, shapes, axes, sizes, itemsize, group
-    rank): a pure function of them, computed once (``_a2a_layout``) instead of per call."""
-
-    route: Route
-    width: int  # elements per block of an equal-block Alltoall (padded: the largest block)
-    own: tuple[tuple[slice, ...], tuple[slice, ...]] | None  # (send index, out index) of the block kept here
-    pack_len: int | None  # elements of the pack buffer, None when ``send`` moves in place
-    unpack_len: int | None  # elements of the receive buffer, None when MPI writes into ``out``
-    packs: tuple[tuple[int, int, int, int, int], ...]  # runs of equal blocks: (at, blocks, length, offset, stride)
-    unpacks: tuple[tuple[int, int, int, int, int], ...]
-    send3: tuple[int, int, int]  # the (rows, axis, inner) views the runs index
-    recv3: tuple[int, int, int]
-    send_spec: tuple[list[int], list[int]]  # Alltoallv (counts, displacements)
-    recv_spec: tuple[list[int], list[int]]
-    send_vector: tuple[int, int, int] | None  # a strided send side read in place: (rows, run, stride)
-    recv_vector: tuple[int, int, int] | None  # a strided output written in place
-
-
-def _runs(blocks: list[tuple[int, int, int]], per_row: int, slot: int | None) -> tuple[tuple[int, int, int, int, int], ...]:
-    """Consecutive blocks ``(at, length, axis offset)`` of equal length, adjacent on the axis and
-    evenly spaced in the buffer, as runs ``(at, blocks, length, offset, stride)``: the split
-    rule makes at most two lengths, so a pack or unpack is a few NumPy copies, not one per rank
-    (``slot``: the padded path's fixed spacing, else each block's own size)."""
-    runs: list[list[int]] = []
-    for at, n, o in blocks:
-        if n == 0:
-            continue
-        stride = slot if slot is not None else n * per_row
-        last = runs[-1] if runs else None
-        if last is not None and last[2] == n and last[4] == stride and last[3] + last[1] * n == o \
-                and last[0] + last[1] * stride == at:
-            last[1] += 1
-        else:
-            runs.append([at, 1, n, o, stride])
-    return tuple((a, k, n, o, st) for a, k, n, o, st in runs)
-
-
 def _copy_runs(runs: tuple[tuple[int, int, int, int, int], ...], flat: Any, view3: Any, packing: bool,
                rows_padded: bool = False) -> None:
     """Copy between ``view3`` (rows, axis, inner) and the by-destination buffer ``flat``: each
@@ -683,117 +586,6 @@ def _copy_runs(runs: tuple[tuple[int, int, int, int, int], ...], flat: Any, view
             slots[...] = blocks
         else:
             blocks[...] = slots
-
-
-@by_identity(maxsize=1024)
-def _a2a_layout(path: str, send_shape: tuple[int, ...], out_shape: tuple[int, ...], split_axis: int,
-                split_sizes: tuple[int, ...], concat_axis: int, concat_sizes: tuple[int, ...], itemsize: int,
-                variable_from: int, strided_below: int, m: int, me: int) -> _A2ALayout:
-    route = all_to_all_route(path, send_shape, split_axis, split_sizes, concat_axis, concat_sizes, itemsize,
-                             variable_from)
-    s_offs, c_offs = offsets(split_sizes), offsets(concat_sizes)
-    padded = route is Route.A2A_PADDED
-    send_blocks = [with_dim(send_shape, split_axis, n) for n in split_sizes]
-    recv_blocks = [with_dim(out_shape, concat_axis, n) for n in concat_sizes]
-    send_counts = [prod(b) for b in send_blocks]
-    recv_counts = [prod(b) for b in recv_blocks]
-    send_at_axis = [(slice(None),) * split_axis + (slice(o, o + n),) for n, o in zip(split_sizes, s_offs)]
-    out_at_axis = [(slice(None),) * concat_axis + (slice(o, o + n),) for n, o in zip(concat_sizes, c_offs)]
-    own_local = route is Route.A2A_V
-    moved_send = [0 if own_local and j == me else n for j, n in enumerate(send_counts)]
-    moved_recv = [0 if own_local and j == me else n for j, n in enumerate(recv_counts)]
-    # a side whose blocks are already contiguous moves in place, with no copy; a packed side
-    # holds only the blocks MPI moves; a small equal-block one is read/written in place through
-    # a vector datatype (block j: ``rows`` runs of ``run`` elements, ``stride`` apart)
-    s_rows, s_len, s_inner = view3(send_shape, split_axis)
-    r_rows, r_len, r_inner = view3(out_shape, concat_axis)
-    typed = route is Route.A2A_EQUAL and all_to_all_bytes(
-        send_shape, split_axis, split_sizes, concat_axis, concat_sizes, itemsize) < strided_below
-    send_vector = (s_rows, split_sizes[0] * s_inner, s_len * s_inner) if typed and s_rows > 1 else None
-    recv_vector = (r_rows, concat_sizes[0] * r_inner, r_len * r_inner) if typed and r_rows > 1 else None
-    pack_needed = padded or (s_rows > 1 and send_vector is None)
-    unpack_needed = padded or (r_rows > 1 and recv_vector is None)
-    width = send_counts[0]
-    if padded:
-        width = _global_block(send_shape, split_axis, split_sizes, concat_axis, concat_sizes)
-        send_at, recv_at = [j * width for j in range(m)], [j * width for j in range(m)]
-    else:
-        send_at = offsets(moved_send if pack_needed else send_counts)
-        recv_at = offsets(moved_recv if unpack_needed else recv_counts)
-    keep = [j for j in range(m) if not (own_local and j == me)]
-    return _A2ALayout(
-        route=route,
-        width=width,
-        own=(send_at_axis[me], out_at_axis[me]) if own_local else None,
-        pack_len=(m * width if padded else sum(moved_send)) if pack_needed else None,
-        unpack_len=(m * width if padded else sum(moved_recv)) if unpack_needed else None,
-        packs=_runs([(send_at[j], split_sizes[j], s_offs[j]) for j in keep], s_rows * s_inner,
-                    width if padded else None) if pack_needed else (),
-        unpacks=_runs([(recv_at[j], concat_sizes[j], c_offs[j]) for j in keep], r_rows * r_inner,
-                      width if padded else None) if unpack_needed else (),
-        send3=(s_rows, s_len, s_inner),
-        recv3=(r_rows, r_len, r_inner),
-        send_spec=(moved_send, send_at),
-        recv_spec=(moved_recv, recv_at),
-        send_vector=send_vector,
-        recv_vector=recv_vector,
-    )
-
-
-class _ExchangePlan(NamedTuple):
-    """An exchange layout as buffers and ``Alltoallv`` specs (made once per layout)."""
-
-    own: tuple[tuple[slice, ...], tuple[slice, ...]] | None
-    pack_len: int
-    unpack_len: int
-    packs: tuple[tuple[int, int, tuple[slice, ...]], ...]  # (at, stop, send index)
-    unpacks: tuple[tuple[int, int, tuple[int, ...], tuple[slice, ...]], ...]  # (at, stop, shape, out index)
-    send_spec: tuple[list[int], list[int]]
-    recv_spec: tuple[list[int], list[int]]
-
-
-_EXCHANGE_PLANS: "OrderedDict[int, tuple[Any, _ExchangePlan]]" = OrderedDict()
-
-
-def _exchange_plan(layout: Any, m: int) -> _ExchangePlan:
-    """The buffers and specs of ``layout`` (an ``ExchangeLayout``), cached by the layout object
-    (the planner's cache hands out one object per exchange; the entry keeps it alive)."""
-    hit = _EXCHANGE_PLANS.get(id(layout))
-    if hit is not None and hit[0] is layout:
-        return hit[1]
-
-    def blocks(entries: Any) -> tuple[list[int], list[int], list[tuple[int, int, tuple[int, ...], tuple[slice, ...]]]]:
-        counts, displs, table, at = [0] * m, [0] * m, [], 0
-        for peer, ranges in entries:
-            shape = tuple(b - a for a, b in ranges)
-            n = prod(shape)
-            counts[peer], displs[peer] = n, at
-            table.append((at, at + n, shape, tuple(slice(a, b) for a, b in ranges)))
-            at += n
-        return counts, displs, table
-
-    scounts, sdispls, packs = blocks(layout.sends)
-    rcounts, rdispls, unpacks = blocks(layout.recvs)
-    own = None if layout.own is None else (tuple(slice(a, b) for a, b in layout.own[0]),
-                                           tuple(slice(a, b) for a, b in layout.own[1]))
-    plan = _ExchangePlan(own, sum(scounts), sum(rcounts), tuple((a, b, w) for a, b, _, w in packs), tuple(unpacks),
-                         (scounts, sdispls), (rcounts, rdispls))
-    _EXCHANGE_PLANS[id(layout)] = (layout, plan)
-    if len(_EXCHANGE_PLANS) > 256:
-        _EXCHANGE_PLANS.popitem(last=False)
-    return plan
-
-
-def _global_block(
-    send_shape: tuple[int, ...], split_axis: int, split_sizes: Sequence[int],
-    concat_axis: int, concat_sizes: Sequence[int],
-) -> int:
-    """The largest all-to-all block any rank sends, the same number on every rank."""
-    shape = list(send_shape)
-    shape[split_axis] = max(split_sizes)
-    if concat_axis != split_axis:
-        shape[concat_axis] = max(concat_sizes)
-    return prod(shape)
 
 
 def _divide(buf: np.ndarray, m: int) -> None:

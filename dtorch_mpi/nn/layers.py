@@ -20,7 +20,8 @@ import numpy as np
 from .. import factory
 from .. import random as _random
 from ..arrays import array_module_of as _xp
-from ..dtensor import DTensor, checked_shape, make_spec
+from ..construction import checked_shape, make_spec
+from ..dtensor import DTensor
 from ..dtypes import check_dtype
 from ..errors import DTypeMismatchError
 from ..mesh import DeviceMesh, init_device_mesh
