@@ -421,8 +421,9 @@ class DTensor:
     ) -> "DTensor":
         """Wrap this rank's piece; every rank of the mesh calls it with its own piece.
 
-        ``shape=None``: the global shape is derived from every rank's piece (one all-gather
-        of shapes), and the pieces are checked against the split rule. ``run_check=True``
+        ``shape=None``: the global shape is derived from every rank's piece (one fixed-size
+        Allreduce of the pieces' extents, O(1) per rank whatever the rank count), and the pieces
+        are checked against the split rule. ``run_check=True``
         checks the pieces (shapes, dtype, ndim) against ``shape`` the same way. A failed check
         raises the same ``ShapeMismatchError``/``DTypeMismatchError`` on every rank.
         ``shape`` given and ``run_check=False``: no communication. This rank's piece is still
