@@ -111,7 +111,7 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "How long a collective may take before `CollectiveTimeoutError` names it.",
             _number("DTORCH_COLLECTIVE_TIMEOUT", float, "is not a number of seconds"),
             "first use", "comm/deadline.py", agreed=True),
-    Setting("DTORCH_WAIT_SPIN", "microseconds >= 0", "200",
+    Setting("DTORCH_WAIT_SPIN", "microseconds >= 0", "500",
             "How long a rank waiting in a collective polls without pause before it backs off "
             "to short sleeps (growing to 1 ms, at most an eighth of the time waited so far), "
             "so waiting ranks leave shared cores to the ranks still working.",

@@ -4,7 +4,8 @@ back-off costs the collective (``mpiexec -n P python scripts/bench_waiters.py``)
 Three ways to wait, interleaved in one run (so machine drift hits all alike):
   spin      the library's wait with the back-off off (``DTORCH_WAIT_SPIN`` huge: the loop
             before the back-off: Test, ``sched_yield`` every 16 polls)
-  backoff   the library's wait as shipped (spin 200 µs, then naps growing to 1 ms)
+  backoff   the library's wait as shipped (spin ``DTORCH_WAIT_SPIN`` µs, then naps growing to 1 ms;
+            ``--spin`` tries another spin time)
   sleep     the reference "sleeping waiter": Test, then ``time.sleep(1 ms)``
   mpi       MPI's own blocking call (``Barrier`` / ``Allreduce`` / ``Allgather``)
 Figures (medians over repeats; the slowest rank's time for collectives):
@@ -46,11 +47,6 @@ def library_wait(spin_micros: float) -> Callable[[MPI.Request, str], None]:
     return wait
 
 
-WAITS: dict[str, Callable[[MPI.Request, str], None]] = {
-    "spin": library_wait(SPIN_FOREVER),
-    "backoff": library_wait(200.0),
-    "sleep": sleeping_wait,
-}
 
 
 def work_time(wait: Callable[[MPI.Request, str], None] | None, work: Callable[[], object]) -> float:
@@ -73,12 +69,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-ms", type=float, default=40.0)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--spin", type=float, default=settings.SETTINGS["DTORCH_WAIT_SPIN"].parse(
+        settings.SETTINGS["DTORCH_WAIT_SPIN"].default), help="the back-off's spin time, µs (default: the shipped one)")
     args = parser.parse_args()
     size = WORLD.Get_size()
     load_before = os.getloadavg()[0]
     work = numpy_work(args.work_ms * 1e-3)
 
-    modes: dict[str, Callable[[MPI.Request, str], None] | None] = {**WAITS, "mpi": None}
+    modes: dict[str, Callable[[MPI.Request, str], None] | None] = {
+        "spin": library_wait(SPIN_FOREVER), "backoff": library_wait(args.spin), "sleep": sleeping_wait, "mpi": None}
     samples: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.reps):
         for name, wait in modes.items():

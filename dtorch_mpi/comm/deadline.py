@@ -4,7 +4,7 @@
 
 Collectives are started nonblocking and waited on by polling ``Test``: MPI has no timed wait,
 and a blocking call cannot be interrupted. The wait adapts (the classic spin-then-sleep
-back-off): for the first ``DTORCH_WAIT_SPIN`` microseconds (default 200) it polls without
+back-off): for the first ``DTORCH_WAIT_SPIN`` microseconds (default 500) it polls without
 pause, yielding the CPU every 16 polls (``sched_yield``), so a short collective's latency is
 that of a spinning wait; after that it sleeps between bursts of 16 polls, the nap doubling from
 20 µs up to 1 ms and never longer than an eighth of the time waited so far (so a wait ends at
