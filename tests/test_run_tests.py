@@ -23,11 +23,13 @@ PIP = run_tests.Pass("pip", "python", "mpiexec", [1, 2, 3, 4], ["auto", "variabl
 
 def test_plan_runs_one_process_once_and_marks_the_first_path() -> None:
     phdf5 = run_tests.Pass("phdf5", "py5", "mpx5", [1, 2], ["auto"], ["tests/test_checkpoint.py"])
-    got = [(p.name, path, n, first) for p, path, n, first in run_tests.plan([PIP, phdf5])]
+    got = [(p.name, path, n, first) for p, path, n, first in run_tests.plan([PIP, phdf5], {2, 4})]
     assert got == [("pip", "auto", 1, True), ("pip", "auto", 2, True), ("pip", "auto", 3, True),
-                   ("pip", "auto", 4, True), ("pip", "variable", 2, False), ("pip", "variable", 3, False),
-                   ("pip", "variable", 4, False), ("pip", "padded", 2, False), ("pip", "padded", 3, False),
-                   ("pip", "padded", 4, False), ("phdf5", "auto", 1, True), ("phdf5", "auto", 2, True)]
+                   ("pip", "auto", 4, True), ("pip", "variable", 2, False), ("pip", "variable", 4, False),
+                   ("pip", "padded", 2, False), ("pip", "padded", 4, False), ("phdf5", "auto", 1, True),
+                   ("phdf5", "auto", 2, True)]
+    every = [(path, n) for _, path, n, first in run_tests.plan([PIP], {1, 2, 3, 4}) if not first]
+    assert every == [("variable", 2), ("variable", 3), ("variable", 4), ("padded", 2), ("padded", 3), ("padded", 4)]
 
 
 def test_extra_pass_specs() -> None:
