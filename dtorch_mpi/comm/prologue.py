@@ -29,6 +29,7 @@ from . import counter
 from .config import spmd_check, spmd_debug
 from .divergence import _TWINS, CHECK_FROM, compare, current_context, fingerprint, twin_of, user_site
 from .group import Group
+from .layout import by_identity
 from .work import collective_starting, completed
 
 if TYPE_CHECKING:
@@ -51,6 +52,13 @@ def _alone(send: Any, out: Any) -> Handle:
     if send is not out:
         out[...] = send
     return completed(out)
+
+
+@by_identity(256)
+def _total(sizes: Sequence[int]) -> int:
+    """``sum(sizes)``, cached (a plan's sizes are one tuple object per call, and summing every
+    rank's entry is O(ranks): 27 µs per call at 4,096 ranks)."""
+    return sum(sizes)
 
 
 def _others(shape: Sequence[int], *axes: int) -> int:
@@ -167,13 +175,13 @@ class Prologued:
         if group.size == 1:
             return _alone(send, out)
         rows = send.shape[concat_axis]  # this rank's concat_sizes entry
-        nbytes = (send.nbytes // rows * sum(concat_sizes) if rows else
-                  out.itemsize * sum(split_sizes) * sum(concat_sizes) * _others(send.shape, split_axis, concat_axis))
+        nbytes = (send.nbytes // rows * _total(concat_sizes) if rows else
+                  out.itemsize * _total(split_sizes) * _total(concat_sizes) * _others(send.shape, split_axis, concat_axis))
         facts = {"split": split_axis, "concat": concat_axis, "split_sizes": tuple(split_sizes),
                  "concat_sizes": tuple(concat_sizes)} if _wants_facts(nbytes) else _NO_FACTS
         # all ranks' blocks empty (a group-wide fact); a non-empty ``send`` already says no
         empty = not send.size and not nbytes
-        return self._run(group, "all_to_all", lambda: _with(send.shape, concat_axis, sum(concat_sizes)), send, out,
+        return self._run(group, "all_to_all", lambda: _with(send.shape, concat_axis, _total(concat_sizes)), send, out,
                          facts, empty, nbytes, async_op, self.inner.all_to_all,
                          group, send, out, split_axis, split_sizes, concat_axis, concat_sizes, async_op)
 
@@ -206,9 +214,9 @@ class Prologued:
                 async_op: bool = False) -> Handle:
         if group.size == 1:
             return _alone(send, out)
-        nbytes = out.itemsize * sum(sizes) * _others(out.shape, axis)
+        nbytes = out.itemsize * _total(sizes) * _others(out.shape, axis)
         facts = {"axis": axis, "root": root, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
-        return self._run(group, "scatter", lambda: _with(out.shape, axis, sum(sizes)), send, out, facts,
+        return self._run(group, "scatter", lambda: _with(out.shape, axis, _total(sizes)), send, out, facts,
                          not nbytes, nbytes, async_op, self.inner.scatter, group, send, out, axis, sizes, root, async_op)
 
     def exchange(self, group: Group, send: Any, out: Any, layout: Any, shared: tuple[Any, ...] = (),
