@@ -61,6 +61,17 @@ def _total(sizes: Sequence[int]) -> int:
     return sum(sizes)
 
 
+@by_identity(256)
+def _digest(sizes: tuple[int, ...]) -> int:
+    return hash(sizes)  # ints hash alike in every process (no per-process salt)
+
+
+def _long_digest(value: Any) -> Any:
+    """A fact as the fingerprint takes it: a long tuple (every rank's sizes) as its cached hash,
+    so a checked call does not hash O(ranks) integers each time."""
+    return _digest(value) if type(value) is tuple and len(value) > 16 else value
+
+
 def _others(shape: Sequence[int], *axes: int) -> int:
     """Elements per unit of the moving axes: the product of every other dim (group-wide)."""
     return prod(n for i, n in enumerate(shape) if i not in axes)
@@ -124,7 +135,7 @@ class Prologued:
         seq = -1 if twin is None else twin.seq
         context = current_context()
         site = user_site() if spmd_debug() else ""
-        fp = fingerprint((seq, kind, shape, out.dtype.str, *facts.values(), context, site))
+        fp = fingerprint((seq, kind, shape, out.dtype.str, *map(_long_digest, facts.values()), context, site))
 
         def describe() -> str:
             call, _ = self.inner.call_for(kind, send, out, facts)
