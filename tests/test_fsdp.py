@@ -3,7 +3,8 @@ replicated model's (uneven and empty pieces, reshard_after_forward on and off), 
 communication ZeRO-3 prescribes exactly (CommCounter, one step, per rank), prefetch in
 forward and backward, state_dict / save / load across plans, and the refusals.
 The training curves against the NumPy reference are in test_training.py (plans fsdp and
-fsdp_keep)."""
+fsdp_keep). Every test runs per array backend (NumPy pieces, and CuPy ones on a
+"cuda" mesh: the emulated CuPy under ``--device emulated``)."""
 
 from __future__ import annotations
 

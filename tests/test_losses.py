@@ -1,7 +1,8 @@
 """Losses against NumPy: ``cross_entropy`` on every placement of the logits (batch- and
 class-sharded, 1-D and 2-D meshes, uneven class counts, C below the rank count, empty
 pieces), its gradient against float64 finite differences, the exact collectives it makes
-(CommCounter), and ``mse_loss``'s gradient."""
+(CommCounter), and ``mse_loss``'s gradient. The DTensor tests run per array backend (NumPy
+pieces, and CuPy ones on a "cuda" mesh: the emulated CuPy under ``--device emulated``)."""
 
 from __future__ import annotations
 

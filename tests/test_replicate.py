@@ -3,7 +3,8 @@ equal to the blocking ``reduce_gradients`` form (SGD and AdamW, uneven and empty
 bucket per gradient, tiny buckets, the default), gradient accumulation with ``no_sync``, the
 bucketed nonblocking all-reduces (CommCounter) started before backward ends, the order check
 across ranks, and the refusals. The training curves against the NumPy reference are in
-test_training.py (plan replicate)."""
+test_training.py (plan replicate). Every test but the MPI-call trace runs per array backend
+(NumPy pieces, and CuPy ones on a "cuda" mesh: the emulated CuPy under ``--device emulated``)."""
 
 from __future__ import annotations
 
