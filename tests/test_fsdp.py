@@ -8,8 +8,10 @@ fsdp_keep). Every test runs per array backend (NumPy pieces, and CuPy ones on a
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -498,7 +500,6 @@ def test_building_and_fully_sharding_holds_at_most_one_complete_parameter(mesh1d
     emulated device the pieces are NumPy memory, which tracemalloc traces, so the same bound
     holds host and device allocations together; on a real GPU tracemalloc sees host memory
     only (CuPy's allocations are outside it), so there the bound could not fail: it skips."""
-    import tracemalloc
     if mesh1d.device_type != "cpu" and not getattr(sys.modules.get("cupy"), "EMULATED", False):
         pytest.skip("tracemalloc counts host memory only: CuPy's device allocations are not traced")
     layers, width = 8, 128
@@ -529,6 +530,57 @@ def test_building_and_fully_sharding_holds_at_most_one_complete_parameter(mesh1d
     assert all(p.placements == (S0,) and p.to_local().base is None for p in model.parameters())
     print(f"{mesh1d.device_type}: peak {peak} bytes, bound {goal + slack:.0f}, model {full}, held {held}")
     assert peak <= goal + slack, f"peak {peak} bytes > model/N + one parameter {goal:.0f} (+{slack}); held {held}"
+
+
+def _device_bytes_alive() -> int:
+    """Bytes of NumPy array data alive now (NumPy's tracemalloc domain): on the emulated device
+    its CuPy arrays too, whose memory is NumPy's."""
+    gc.collect()
+    snap = tracemalloc.take_snapshot().filter_traces(
+        (tracemalloc.DomainFilter(inclusive=True, domain=np.lib.tracemalloc_domain),))
+    return sum(t.size for t in snap.traces)
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+def test_units_between_steps_hold_only_their_shards_on_a_device(mesh1d: dt.DeviceMesh, reshard: bool,
+                                                                 check: Checker) -> None:
+    """Device memory cannot be handed back in place, so a freed unit drops its gathered buffer:
+    after building and after each step (forward, backward, gradients dropped) the device arrays
+    alive are the shards, not shards + the whole model (as they were before the buffer was
+    dropped). Measured on the emulated device, whose arrays are NumPy memory that tracemalloc
+    traces; host buffers are memory maps whose pages go back in place (untraced; the gradient
+    test checks they read zeros); a real GPU's memory is not traced."""
+    if mesh1d.device_type == "cpu":
+        pytest.skip("host buffers are memory maps (pages handed back in place, not traced by tracemalloc)")
+    if not getattr(sys.modules.get("cupy"), "EMULATED", False):
+        pytest.skip("tracemalloc does not see a real GPU's memory")
+    layers, width = 6, 64
+    x = dt.distribute_tensor(np.ones((2 * SIZE + 1, width)), mesh1d, [S0])
+    tracemalloc.start()
+    try:
+        base = _device_bytes_alive()
+        dt.manual_seed(0)
+        model = _layers(width, layers, mesh1d)
+        for layer in model._modules.values():
+            dt.fully_shard(layer, mesh=mesh1d, reshard_after_forward=reshard)
+        dt.fully_shard(model, mesh=mesh1d, reshard_after_forward=reshard)
+        shards = sum(p.to_local().nbytes for p in model.parameters())
+        alive = {"built": _device_bytes_alive() - base}
+        for step in range(2):
+            out = model(x)
+            (out * out).sum().backward()
+            del out
+            for p in model.parameters():
+                p.grad = None
+            alive[f"after step {step}"] = _device_bytes_alive() - base
+    finally:
+        tracemalloc.stop()
+    layer = (width * width + width) * 8  # one layer's parameters: room for small kept arrays
+    print(f"shards {shards}, model {layers * layer}, alive {alive}")
+    for when, held in alive.items():
+        check.true(held <= shards + layer, f"{when}: {held} bytes alive, shards {shards} (+{layer} allowed); "
+                                           f"the model is {layers * layer}")
+    check.done()
 
 
 @pytest.mark.parametrize("made", [False, True], ids=["deferred", "already-made"])
