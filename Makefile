@@ -132,16 +132,18 @@ install-phdf5: $(PHDF5_STAMP)
 # short pass of it (EMULATED=0 skips it); `make test-gpu-emulated` the whole one at $(SIZES).
 EMULATED ?= 1
 comma := ,
-GPU_EMULATED_TESTS := tests/test_gpu.py,tests/test_redistribute.py,tests/test_ops.py,tests/test_autograd.py,tests/test_autograd_hooks.py,tests/test_autograd_misuse.py,tests/test_tp_autograd.py,tests/test_optim.py,tests/test_optim_checks.py,tests/test_training.py,tests/test_checkpoint.py,tests/test_nn.py
+GPU_EMULATED_TESTS := tests/test_gpu.py,tests/test_redistribute.py,tests/test_ops.py,tests/test_autograd.py,tests/test_autograd_hooks.py,tests/test_autograd_misuse.py,tests/test_tp_autograd.py,tests/test_optim.py,tests/test_optim_checks.py,tests/test_training.py,tests/test_checkpoint.py,tests/test_nn.py,tests/test_fsdp.py,tests/test_replicate.py,tests/test_losses.py
 # make test's pass adds a few seconds of the training suites: TP autograd (the comm counts), a
 # rank outside the mesh, two plans against NumPy (fsdp + AdamW, tp + SGD), optimizer state saved
-# from NumPy and loaded onto CuPy (and back), parallelize_module onto the mesh
+# from NumPy and loaded onto CuPy (and back), parallelize_module onto the mesh, fully_shard's
+# gradients against the replicated model (hidden width 7: uneven pieces; its device buffers freed)
 GPU_EMULATED_TRAIN_SHORT := tests/test_autograd.py::test_tp_mlp_backward_moves_only_the_adjoint,$\
   tests/test_autograd.py::test_backward_with_a_rank_outside_the_mesh,$\
   tests/test_training.py::test_training_matches_the_numpy_reference[cupy-emulated-fsdp-adamw-classification],$\
   tests/test_training.py::test_training_matches_the_numpy_reference[cupy-emulated-tp-sgd-regression],$\
   tests/test_checkpoint.py::test_optimizer_state_reshards_onto_current_placements,$\
-  tests/test_nn.py::test_parallelize_module_moves_deferred_parameters_onto_its_mesh
+  tests/test_nn.py::test_parallelize_module_moves_deferred_parameters_onto_its_mesh,$\
+  tests/test_fsdp.py::test_gradients_equal_the_replicated_model[cupy-emulated-7-True]
 GPU_EMULATED_SHORT := tests/test_gpu.py,tests/test_redistribute.py,$(GPU_EMULATED_TRAIN_SHORT)
 emulated_pass = --extra-pass "emulated-$(1) sizes=$(2) paths=auto device=emulated env=DTORCH_GPU_BACKEND=$(1) tests=$(3)"
 ifeq ($(EMULATED),1)

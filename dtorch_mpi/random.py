@@ -136,7 +136,9 @@ class _Counters:
         lead, self.tail = _index_terms(global_shape, local_shape, offset, xp)
         self.lead = lead + xp.uint64((key + _GOLDEN) & _MASK)  # wraps mod 2**64, as the mix wants
         self.add = xp.add
-        self.rows_per_block = max(1, chunk // max(self.width, 1))
+        # a piece of fewer rows than a block is one block of its own size: the work buffers are
+        # sized by it (a fresh device allocation per call would otherwise be a whole chunk)
+        self.rows_per_block = max(1, min(self.rows, chunk // max(self.width, 1)))
 
     def blocks(self, out: Any) -> Any:
         """Yield ``(start, stop)`` flat ranges, writing their counters into ``out[:stop-start]``."""

@@ -25,7 +25,8 @@ $PY -c "import hypothesis" 2>/dev/null || TESTS="tests/test_gpu.py tests/test_re
 TRAIN_TESTS="tests/test_optim.py tests/test_optim_checks.py"
 $PY -c "import hypothesis" 2>/dev/null && TRAIN_TESTS="$TRAIN_TESTS tests/test_autograd.py"  # imports test_ops
 TRAIN_TESTS="$TRAIN_TESTS tests/test_autograd_hooks.py tests/test_autograd_misuse.py tests/test_tp_autograd.py"
-$PY -c "import h5py, xxhash" 2>/dev/null && TRAIN_TESTS="$TRAIN_TESTS tests/test_training.py tests/test_checkpoint.py tests/test_nn.py"
+TRAIN_TESTS="$TRAIN_TESTS tests/test_replicate.py tests/test_losses.py"
+$PY -c "import h5py, xxhash" 2>/dev/null && TRAIN_TESTS="$TRAIN_TESTS tests/test_training.py tests/test_checkpoint.py tests/test_nn.py tests/test_fsdp.py"
 LOG=${GPU_CHECK_LOG:-/tmp/dtorch_gpu_check}
 mkdir -p "$LOG"
 summary=()

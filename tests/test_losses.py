@@ -1,7 +1,8 @@
 """Losses against NumPy: ``cross_entropy`` on every placement of the logits (batch- and
 class-sharded, 1-D and 2-D meshes, uneven class counts, C below the rank count, empty
 pieces), its gradient against float64 finite differences, the exact collectives it makes
-(CommCounter), and ``mse_loss``'s gradient."""
+(CommCounter), and ``mse_loss``'s gradient. The DTensor tests run per array backend (NumPy
+pieces, and CuPy ones on a "cuda" mesh: the emulated CuPy under ``--device emulated``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from conftest import SIZE, Checker, reference
+from conftest import SIZE, Checker, on_mesh, reference
 from helpers import numeric_grad
 
 import dtorch_mpi as dt
@@ -19,6 +20,22 @@ from dtorch_mpi.nn import functional as F
 pytestmark = pytest.mark.path_independent
 
 R, S0, S1, S2 = dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Shard(2)
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
+    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
+
+
+@pytest.fixture
+def mesh2d(xp_mesh1d: dt.DeviceMesh, xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """``mesh2d`` per array backend (see ``mesh1d``), of ``mesh1d``'s: every case here runs on one
+    mesh, so a NumPy mesh with a CuPy one would repeat the single-backend cases."""
+    if xp_mesh2d.device_type != xp_mesh1d.device_type:
+        pytest.skip("one mesh per case: mixed array backends repeat the single-backend cases")
+    return xp_mesh2d
 
 
 def ce_rows(x: np.ndarray, t: np.ndarray) -> np.ndarray:
@@ -51,7 +68,10 @@ def _case(mesh: dt.DeviceMesh, full: np.ndarray, tgt: np.ndarray, plc: list[dt.P
           as_dtensor: bool, check: Checker) -> None:
     label = f"{mesh.shape} {full.shape} {plc} {reduction} dtensor-target={as_dtensor}"
     x = dt.distribute_tensor(full, mesh, plc).requires_grad_()
-    target = dt.distribute_tensor(tgt, mesh, _target_placements(plc, full.ndim)) if as_dtensor else tgt
+    # a plain target: the whole array, in the mesh's array library for "mean", else NumPy (a
+    # host array moves to the device, as distribute_tensor's does)
+    plain = on_mesh(mesh, tgt) if reduction == "mean" else tgt
+    target = dt.distribute_tensor(tgt, mesh, _target_placements(plc, full.ndim)) if as_dtensor else plain
     loss = F.cross_entropy(x, target, reduction=reduction)
     rows = ce_rows(full, tgt)
     check.equal(loss.to_torch(), REDUCE[reduction](rows), label, exact=False, rtol=1e-12, atol=1e-12)
@@ -125,7 +145,7 @@ def test_cross_entropy_collectives(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh,
         check.true(bwd.count == 0, f"{plc}: backward made {bwd.kinds()}")
     # a Partial row gradient on a class-sharded mesh dim is all-reduced once (rows-sized)
     x = dt.distribute_tensor(full, mesh1d, [S1]).requires_grad_()
-    terms = dt.DTensor.from_local(np.full(n, 1.0 / SIZE), mesh1d, [dt.Partial()], shape=(n,))
+    terms = dt.DTensor.from_local(on_mesh(mesh1d, np.full(n, 1.0 / SIZE)), mesh1d, [dt.Partial()], shape=(n,))
     loss = (F.cross_entropy(x, tgt, reduction="none") * terms).sum()
     with dt.CommCounter() as bwd:
         loss.backward()
@@ -154,7 +174,7 @@ def test_cross_entropy_errors(mesh1d: dt.DeviceMesh) -> None:
         F.cross_entropy(xs, dt.distribute_tensor(bad, mesh1d, [S0]))
     with pytest.raises(dt.PlacementError, match="redistribute the target"):
         F.cross_entropy(xs, dt.distribute_tensor(np.zeros(SIZE + 1, dtype=np.int64), mesh1d, [R]))
-    part = dt.DTensor.from_local(full.copy(), mesh1d, [dt.Partial()], shape=full.shape)
+    part = dt.DTensor.from_local(on_mesh(mesh1d, full.copy()), mesh1d, [dt.Partial()], shape=full.shape)
     with pytest.raises(dt.PlacementError, match="Partial"):
         F.cross_entropy(part, np.zeros(SIZE + 1, dtype=np.int64))
 

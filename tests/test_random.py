@@ -121,6 +121,25 @@ def test_kept_work_buffers_stay_bounded(mesh1d: dt.DeviceMesh) -> None:
     assert len(kept) == 3 and all(b.size <= rnd._SCRATCH_KEPT for b in kept), [b.size for b in kept]
 
 
+
+@pytest.mark.parametrize("shape", [(1, 128), (3, 5), (0, 4), (7,), ()], ids=str)
+def test_work_buffers_are_sized_by_the_piece(shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A piece smaller than a block asks for work buffers of its own size, not a whole block's
+    (on a device each draw's buffers are a fresh allocation: a bias of 128 would take 768 KB)."""
+    asked: list[int] = []
+    work = rnd._work_buffers
+
+    def spy(xp: object, n: int) -> object:
+        asked.append(n)
+        return work(xp, n)
+
+    monkeypatch.setattr(rnd, "_work_buffers", spy)
+    size = int(np.prod(shape, dtype=np.int64))
+    for make in (rnd.uniform, rnd.normal):
+        out = make(rnd.next_key(), shape, shape, (0,) * len(shape), np.dtype(np.float64), np)
+        assert out.shape == shape
+    assert asked and all(n <= max(size, shape[-1] if shape else 1, 1) for n in asked), (shape, asked)
+
 # Values of `manual_seed(1234); randn(256, 257); rand(256, 257)` at some flat global indices, pinned
 # bit for bit: the stream is part of the contract (reruns reproduce), so a faster generator must
 # give exactly these. Indices 0, 1, 65791 pass the fast test; 11, 175 the wedge test and 246, 341

@@ -3,7 +3,8 @@ equal to the blocking ``reduce_gradients`` form (SGD and AdamW, uneven and empty
 bucket per gradient, tiny buckets, the default), gradient accumulation with ``no_sync``, the
 bucketed nonblocking all-reduces (CommCounter) started before backward ends, the order check
 across ranks, and the refusals. The training curves against the NumPy reference are in
-test_training.py (plan replicate)."""
+test_training.py (plan replicate). Every test but the MPI-call trace runs per array backend
+(NumPy pieces, and CuPy ones on a "cuda" mesh: the emulated CuPy under ``--device emulated``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import RANK, SIZE, Checker, lengths_for
+from conftest import RANK, SIZE, Checker, lengths_for, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi import nn
@@ -20,6 +21,19 @@ from dtorch_mpi.nn import functional as F
 
 R, S0 = dt.Replicate(), dt.Shard(0)
 BUCKETS = [0, 200, nn.utils.BUCKET_BYTES]  # one per gradient, a few, one
+
+
+@pytest.fixture
+def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
+    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
+    return xp_mesh1d
+
+
+@pytest.fixture
+def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
+    """``mesh2d`` per array backend (see ``mesh1d``)."""
+    return xp_mesh2d
 
 
 class Tower(nn.Module):
@@ -62,7 +76,7 @@ def _train(mesh: dt.DeviceMesh, width: int, optimizer: str, bucket: int | None, 
         if bucket is None:
             nn.utils.reduce_gradients(params)
         opt.step()
-    return {k: np.array(p.to_torch()) for k, p in model.named_parameters()}, model
+    return {k: to_numpy(p.to_torch()) for k, p in model.named_parameters()}, model
 
 
 @pytest.mark.parametrize("bucket", BUCKETS)
@@ -172,9 +186,9 @@ def test_ranks_using_parameters_in_different_orders_raise_on_every_rank(mesh1d: 
     plain = Branches(mesh1d)
     F.mse_loss(plain(x), y).backward()
     nn.utils.reduce_gradients(list(plain.parameters()))
-    want = {k: np.array(p.grad.to_torch()) for k, p in plain.named_parameters()}
+    want = {k: to_numpy(p.grad.to_torch()) for k, p in plain.named_parameters()}
     for k, p in model.named_parameters():  # the reduction itself ran in an order every rank shares
-        check.equal(np.array(p.grad.to_torch()), want[k], f"{k} grad after the refused order")
+        check.equal(to_numpy(p.grad.to_torch()), want[k], f"{k} grad after the refused order")
     check.done()
 
 
@@ -212,7 +226,7 @@ def test_a_second_backward_adds_to_reduced_gradients(mesh1d: dt.DeviceMesh, buck
             F.mse_loss(model(x), y).backward()
             if use is None:
                 nn.utils.reduce_gradients(list(model.parameters()))
-        grads.append({n: np.array(p.grad.to_torch()) for n, p in model.named_parameters()})
+        grads.append({n: to_numpy(p.grad.to_torch()) for n, p in model.named_parameters()})
     for n in grads[0]:
         check.equal(grads[1][n], grads[0][n], f"{n} grad after two backwards")
     check.done()
@@ -221,7 +235,8 @@ def test_a_second_backward_adds_to_reduced_gradients(mesh1d: dt.DeviceMesh, buck
 def test_every_rank_makes_the_same_mpi_calls(check: Checker) -> None:
     """The MPI-call trace (tests/test_mpi_trace.py's tracing communicators): two replicate
     steps with several buckets make the same calls, in the same order, with matching counts on
-    every rank."""
+    every rank. NumPy only: on a device the all-reduces are NCCL's (or staged) calls, not the
+    mesh communicators' (the emulated NCCL compares every collective's call across ranks itself)."""
     from test_mpi_trace import TracingComm, _compare_groups
 
     mesh = dt.init_device_mesh("cpu", (SIZE,))
@@ -251,7 +266,7 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
     x, y = _data(mesh1d)
     F.mse_loss(plain(x), y).backward()
     nn.utils.reduce_gradients(list(plain.parameters()))
-    want = {n: np.array(p.grad.to_torch()) for n, p in plain.named_parameters()}
+    want = {n: to_numpy(p.grad.to_torch()) for n, p in plain.named_parameters()}
     dt.manual_seed(0)
     model = dt.replicate(Tower(SIZE + 1, mesh1d), mesh=mesh1d, bucket_bytes=0)
     state = model.__dict__["_replicate_state"]
@@ -273,5 +288,5 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
     F.mse_loss(model(x), y).backward()
     for n, p in model.named_parameters():
         check.true(p.grad is not None and p.grad.placements == (R,), f"{n}: grad placed")
-        check.equal(np.array(p.grad.to_torch()), want[n], f"{n} grad after a failed backward")
+        check.equal(to_numpy(p.grad.to_torch()), want[n], f"{n} grad after a failed backward")
     check.done()
