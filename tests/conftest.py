@@ -315,3 +315,15 @@ def reference(shape: tuple[int, ...], dtype: Any = np.float64, seed: int = 0) ->
     if dtype.kind == "c":
         return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
     return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.fixture
+def rule_hits() -> Any:
+    """The forward rules operators run in the test, as ``(op name, rule index)`` (test_ops and
+    test_autograd check that every declared rule ran)."""
+    from dtorch_mpi.ops import apply, dispatch
+
+    dispatch.RULE_HITS = set()
+    apply.clear_plan_cache()
+    yield dispatch.RULE_HITS
+    dispatch.RULE_HITS = None

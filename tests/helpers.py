@@ -8,9 +8,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from conftest import on_mesh
+from conftest import SIZE, on_mesh
 
 import dtorch_mpi as dt
+from dtorch_mpi.ops.signature import Pat
 
 # every 1-d placement kind; the 2-d layouts use Partial("min") so both extrema are reduced
 P1 = [dt.Shard(0), dt.Shard(1), dt.Replicate(), dt.Partial("sum"), dt.Partial("max")]
@@ -88,3 +89,32 @@ def patch_bytes(path: str, name: str, edit: Callable[[bytearray], Any]) -> None:
         edit(data)
         fh.seek(offset)
         fh.write(bytes(data))
+
+
+# --- the operator and operator-backward suites (test_ops.py, test_autograd.py) -------------------
+def dist(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> dt.DTensor:
+    pieces = make_pieces(full, mesh, placements)
+    if any(isinstance(p, dt.Partial) and p.reduce_op == "avg" for p in placements):
+        pieces = dt.distribute_tensor(full, mesh, placements).to_local()
+    return dt.DTensor.from_local(pieces, mesh, placements, shape=full.shape)
+
+
+def placement_for(pat: Pat, ndim: int, d: int) -> list[dt.Placement] | None:
+    """The concrete placement(s) a pattern stands for, given the chosen dim ``d``."""
+    if pat.kind == "R":
+        return [dt.Replicate()]
+    if pat.kind == "P":
+        return [dt.Partial(str(pat.arg))]
+    if isinstance(pat.arg, int):
+        return [dt.Shard(ndim + pat.arg)] if ndim + pat.arg >= 0 else None
+    return [dt.Shard(d)] if 0 <= d < ndim else None
+
+
+def assert_all_rules_ran(hits: set, ops: list[str]) -> None:
+    missing = [(op, i, r) for op in ops for i, r in enumerate(dt.signature(op).rules)
+               if (op, i) not in hits]
+    assert not missing, "rules never exercised: " + "; ".join(f"{op}[{i}] {r!r}" for op, i, r in missing)
+
+
+MATMUL_SHAPES = [((SIZE + 2, 4), (4, 3)), ((4, SIZE + 1), (SIZE + 1, 2)), ((2, SIZE + 1, 4), (4, 3)),
+                 ((2, 3, 4), (2, 4, SIZE)), ((SIZE + 2, 4), (4,)), ((4,), (4, SIZE + 1)), ((0, 3), (3, 2))]

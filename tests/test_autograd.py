@@ -18,16 +18,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-import test_ops
 from conftest import SIZE, Checker, on_mesh, to_numpy
-from helpers import P1, P2, numeric_grad
-from test_ops import MATMUL_SHAPES, assert_all_rules_ran, dist, placement_for
+from helpers import MATMUL_SHAPES, P1, P2, assert_all_rules_ran, dist, numeric_grad, placement_for
 
 import dtorch_mpi as dt
 from dtorch_mpi.arrays import array_namespace
 
 R = dt.Replicate()
-rule_hits = test_ops.rule_hits  # the fixture that records which forward rules ran
 op_tests_only_on_auto = pytest.mark.path_independent  # operator backward never communicates
 
 

@@ -17,13 +17,12 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import SIZE, Checker
-from helpers import make_pieces
+from helpers import MATMUL_SHAPES, assert_all_rules_ran, dist, placement_for
 from hypothesis import given
 from hypothesis import strategies as st
 
 import dtorch_mpi as dt
-from dtorch_mpi.ops import OPS, Op, apply, dispatch, planners
-from dtorch_mpi.ops.signature import Pat
+from dtorch_mpi.ops import OPS, Op, apply, planners
 
 PARTIAL_OPS = ("sum", "avg", "max", "min")
 ALL_1D = [dt.Shard(0), dt.Shard(1), dt.Replicate()] + [dt.Partial(op) for op in PARTIAL_OPS]
@@ -32,38 +31,6 @@ ALL_1D = [dt.Shard(0), dt.Shard(1), dt.Replicate()] + [dt.Partial(op) for op in 
 def positive(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     """Integer-valued floats in [1, 9]: exact sums, in every op's domain."""
     return np.random.default_rng(seed).integers(1, 10, size=shape).astype(np.float64)
-
-
-def dist(full: np.ndarray, mesh: dt.DeviceMesh, placements: list[dt.Placement]) -> dt.DTensor:
-    pieces = make_pieces(full, mesh, placements)
-    if any(isinstance(p, dt.Partial) and p.reduce_op == "avg" for p in placements):
-        pieces = dt.distribute_tensor(full, mesh, placements).to_local()
-    return dt.DTensor.from_local(pieces, mesh, placements, shape=full.shape)
-
-
-def placement_for(pat: Pat, ndim: int, d: int) -> list[dt.Placement] | None:
-    """The concrete placement(s) a pattern stands for, given the chosen dim ``d``."""
-    if pat.kind == "R":
-        return [dt.Replicate()]
-    if pat.kind == "P":
-        return [dt.Partial(str(pat.arg))]
-    if isinstance(pat.arg, int):
-        return [dt.Shard(ndim + pat.arg)] if ndim + pat.arg >= 0 else None
-    return [dt.Shard(d)] if 0 <= d < ndim else None
-
-
-@pytest.fixture
-def rule_hits() -> Any:
-    dispatch.RULE_HITS = set()
-    apply.clear_plan_cache()
-    yield dispatch.RULE_HITS
-    dispatch.RULE_HITS = None
-
-
-def assert_all_rules_ran(hits: set, ops: list[str]) -> None:
-    missing = [(op, i, r) for op in ops for i, r in enumerate(dt.signature(op).rules)
-               if (op, i) not in hits]
-    assert not missing, "rules never exercised: " + "; ".join(f"{op}[{i}] {r!r}" for op, i, r in missing)
 
 
 # --- generated from the declarations: every operator, every rule ------------------------------
@@ -137,9 +104,6 @@ def _along_dim_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
                 yield ([(full, [plc])], lambda args, dim=dim: fn(*args, dim),
                        lambda dim=dim: op.reference(full, dim), f"{op.name} {plc} dim={dim} n={n}")
 
-
-MATMUL_SHAPES = [((SIZE + 2, 4), (4, 3)), ((4, SIZE + 1), (SIZE + 1, 2)), ((2, SIZE + 1, 4), (4, 3)),
-                 ((2, 3, 4), (2, 4, SIZE)), ((SIZE + 2, 4), (4,)), ((4,), (4, SIZE + 1)), ((0, 3), (3, 2))]
 
 
 def _matmul_cases(op: Op, mesh: dt.DeviceMesh) -> Any:
