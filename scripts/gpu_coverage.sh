@@ -1,5 +1,6 @@
 #!/bin/bash
-# Line coverage of dtorch_mpi/comm/gpu.py on the emulated device (tests/emulated_cupy, a test
+# Line coverage of the GPU backends (dtorch_mpi/comm/gpu.py, gpu_select.py, nccl_backend.py,
+# staging.py: what comm/gpu.py held before it was split) on the emulated device (tests/emulated_cupy, a test
 # double of CuPy and NCCL, not a GPU): the CPU tests of the GPU path at 1 and 2 ranks, then
 # tests/test_gpu.py and test_redistribute.py with --device emulated at 1 and 2 ranks per
 # backend, each rank under `coverage run --parallel-mode`, combined into one report.
@@ -11,7 +12,7 @@ MPIEXEC=${MPIEXEC:-$(dirname "$PY")/mpiexec}
 DATA=${GPU_COVERAGE_DATA:-.coverage-gpu}
 rm -rf "$DATA"; mkdir -p "$DATA"
 RC="$DATA/rc"
-printf '[run]\nparallel = True\ninclude = */dtorch_mpi/comm/gpu.py\ndata_file = %s/.coverage\n' "$PWD/$DATA" > "$RC"
+printf '[run]\nparallel = True\ninclude = */dtorch_mpi/comm/gpu.py,*/dtorch_mpi/comm/gpu_select.py,*/dtorch_mpi/comm/nccl_backend.py,*/dtorch_mpi/comm/staging.py\ndata_file = %s/.coverage\n' "$PWD/$DATA" > "$RC"
 export COVERAGE_RCFILE="$PWD/$RC" PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cov() { "$PY" -m coverage run -m pytest -q -p no:cacheprovider "$@" | tail -1; }
 cov_mpi() { "$MPIEXEC" -n 2 tests/rank_wrapper.sh "$PY" -m coverage run -m pytest -q -p no:cacheprovider --with-mpi "$@" \
