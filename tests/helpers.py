@@ -1,6 +1,6 @@
 """Shared test helpers (pure functions and constants; fixtures and the collective verdict live
-in conftest.py). Test modules import these from here, never from another test module (importing
-``test_x`` ties one test file's refactors to another's and re-executes its module body)."""
+in conftest.py, but for backend_meshes.py's two). Test modules import these from here, never
+from another test module (importing ``test_x`` ties one test file's refactors to another's and re-executes its module body)."""
 
 from __future__ import annotations
 
@@ -118,3 +118,4 @@ def assert_all_rules_ran(hits: set, ops: list[str]) -> None:
 
 MATMUL_SHAPES = [((SIZE + 2, 4), (4, 3)), ((4, SIZE + 1), (SIZE + 1, 2)), ((2, SIZE + 1, 4), (4, 3)),
                  ((2, 3, 4), (2, 4, SIZE)), ((SIZE + 2, 4), (4,)), ((4,), (4, SIZE + 1)), ((0, 3), (3, 2))]
+

@@ -18,27 +18,23 @@ from typing import Any
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import SIZE, Checker, on_mesh, to_numpy
-from helpers import MATMUL_SHAPES, P1, P2, assert_all_rules_ran, dist, numeric_grad, placement_for
+from helpers import (
+    MATMUL_SHAPES,
+    P1,
+    P2,
+    assert_all_rules_ran,
+    dist,
+    numeric_grad,
+    placement_for,
+)
 
 import dtorch_mpi as dt
 from dtorch_mpi.arrays import array_namespace
 
 R = dt.Replicate()
 op_tests_only_on_auto = pytest.mark.path_independent  # operator backward never communicates
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
-    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
-
-
-@pytest.fixture
-def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """``mesh2d`` per array backend (see ``mesh1d``)."""
-    return xp_mesh2d
 
 
 def values(shape: tuple[int, ...], seed: int, low: float = 0.5, high: float = 2.0) -> np.ndarray:

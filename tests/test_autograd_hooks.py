@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import Checker, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.autograd import queue_callback, register_hook, register_post_accumulate_grad_hook
 
 R, S0 = dt.Replicate(), dt.Shard(0)
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
-    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
 
 
 def _leaf(mesh: dt.DeviceMesh, a: np.ndarray, placement: dt.Placement) -> dt.DTensor:

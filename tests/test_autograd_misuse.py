@@ -7,19 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import SIZE, Checker, lengths_for, reference, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import Parameter
 
 ROWS = lengths_for(SIZE)
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every check
-    runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
 
 
 def _leaf(mesh: dt.DeviceMesh, rows: int) -> dt.DTensor:

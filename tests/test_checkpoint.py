@@ -12,6 +12,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import RANK, SIZE, Checker, to_numpy
 from helpers import full_value, make_pieces, patch_bytes
 from mpi4py import MPI
@@ -28,19 +29,6 @@ pytestmark = pytest.mark.path_independent
 
 WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
-    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
-
-
-@pytest.fixture
-def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """``mesh2d`` per array backend (see ``mesh1d``)."""
-    return xp_mesh2d
 
 
 def state(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shape: tuple[int, ...]) -> tuple[dict, dict]:

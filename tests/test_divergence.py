@@ -147,29 +147,35 @@ def test_the_default_check_runs_from_64_kib_only(mesh1d: dt.DeviceMesh, mesh2d: 
     assert len(checks) == sum(n > 1 for n in mesh2d.shape), checks
 
 
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
-def test_divergences_without_a_meeting_check_end_at_the_deadline() -> None:
+launches_its_own_job = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
+                                          reason="launches its own mpiexec; runs in the 1-process pass")
+
+
+def _case_output_at_a_2s_deadline(case: str) -> str:
+    """Run tests/harness_cases/``case`` on 3 ranks with DTORCH_COLLECTIVE_TIMEOUT=2, every rank's
+    output shown; the job must exit 0 (every planted divergence raised where the case expects)."""
     proc = mpiexec(3, os.path.join(HERE, "rank_wrapper.sh"), sys.executable, "-m", "pytest", "-q", "-s",
                    "--color=no", "--with-mpi", "-p", "no:randomly",
-                   os.path.join(HERE, "harness_cases", "case_divergence_deadline.py"), timeout=120,
+                   os.path.join(HERE, "harness_cases", case), timeout=120,
                    env=child_env(DTORCH_TEST_ALL_OUTPUT="1", DTORCH_COLLECTIVE_TIMEOUT="2"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
+    return out
+
+
+@launches_its_own_job
+def test_divergences_without_a_meeting_check_end_at_the_deadline() -> None:
+    out = _case_output_at_a_2s_deadline("case_divergence_deadline.py")
     for rank in range(3):
         assert f"rank {rank} raised CollectiveTimeoutError" in out, out
         assert f"rank {rank} raised SPMDDivergenceError" in out, out
 
 
-@pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1, reason="launches its own mpiexec; runs in the 1-process pass")
+@launches_its_own_job
 def test_a_rank_that_skips_the_first_mesh_leaves_the_others_at_the_deadline() -> None:
     """The first mesh's first collective (the library's duplicate of COMM_WORLD) is bounded by
     the deadline: it was a blocking Dup, and the others hung in it forever."""
-    proc = mpiexec(3, os.path.join(HERE, "rank_wrapper.sh"), sys.executable, "-m", "pytest", "-q", "-s",
-                   "--color=no", "--with-mpi", "-p", "no:randomly",
-                   os.path.join(HERE, "harness_cases", "case_mesh_deadline.py"), timeout=120,
-                   env=child_env(DTORCH_TEST_ALL_OUTPUT="1", DTORCH_COLLECTIVE_TIMEOUT="2"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
+    out = _case_output_at_a_2s_deadline("case_mesh_deadline.py")
     for rank in range(2):
         assert f"rank {rank} raised CollectiveTimeoutError: DeviceMesh construction" in out, out
     assert "rank 2 skipped the mesh" in out, out

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import SIZE, Checker, lengths_for, to_numpy
 
 import dtorch_mpi as dt
@@ -29,19 +30,6 @@ import train_mlp
 
 R, S0 = dt.Replicate(), dt.Shard(0)
 RESHARD = [True, False]
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
-    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
-
-
-@pytest.fixture
-def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """``mesh2d`` per array backend (see ``mesh1d``)."""
-    return xp_mesh2d
 
 
 class Tower(nn.Module):

@@ -10,8 +10,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import SIZE, Checker, on_mesh, reference
-from helpers import numeric_grad
+from helpers import (
+    numeric_grad,
+)
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import functional as F
@@ -23,15 +26,8 @@ R, S0, S1, S2 = dt.Replicate(), dt.Shard(0), dt.Shard(1), dt.Shard(2)
 
 
 @pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
-    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
-
-
-@pytest.fixture
 def mesh2d(xp_mesh1d: dt.DeviceMesh, xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """``mesh2d`` per array backend (see ``mesh1d``), of ``mesh1d``'s: every case here runs on one
+    """``mesh2d`` per array backend (see helpers.mesh1d_per_backend), of ``mesh1d``'s: every case here runs on one
     mesh, so a NumPy mesh with a CuPy one would repeat the single-backend cases."""
     if xp_mesh2d.device_type != xp_mesh1d.device_type:
         pytest.skip("one mesh per case: mixed array backends repeat the single-backend cases")

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import RANK, SIZE, Checker, lengths_for, on_mesh, reference, to_numpy
 
 import dtorch_mpi as dt
@@ -19,19 +20,6 @@ STEPS = 4
 PLACEMENTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()]]
 PLACEMENTS_2D = [[a, b] for a in (dt.Shard(0), dt.Shard(1), dt.Replicate())
                  for b in (dt.Shard(0), dt.Shard(1), dt.Replicate())]
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
-    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
-
-
-@pytest.fixture
-def mesh2d(xp_mesh2d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """``mesh2d`` per array backend (see ``mesh1d``)."""
-    return xp_mesh2d
 
 
 def sgd_reference(p: np.ndarray, grads: list[np.ndarray], lr: float, momentum: float = 0.0,

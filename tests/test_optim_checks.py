@@ -15,19 +15,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import SIZE, Checker, on_mesh, reference, to_numpy
 
 import dtorch_mpi as dt
 from dtorch_mpi.nn import Parameter
 
 N = 2 * SIZE + 1  # rows not divisible by the rank count
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every check
-    runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
 
 
 def _params(mesh: dt.DeviceMesh) -> list[tuple[str, Parameter]]:

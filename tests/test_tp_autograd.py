@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from backend_meshes import mesh1d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import RANK, SIZE, WORLD, Checker, lengths_for, on_mesh, reference
 
 import dtorch_mpi as dt
@@ -23,13 +24,6 @@ from dtorch_mpi.nn import functional as F
 HIDDEN = sorted(set(lengths_for(SIZE)) | {6})  # 6: the issue's Linear(4, 6)
 TARGET = np.array([0, 1, 2, 0, 1])
 ADAMW = {"lr": 0.05, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
-
-
-@pytest.fixture
-def mesh1d(xp_mesh1d: dt.DeviceMesh) -> dt.DeviceMesh:
-    """This module's 1-d mesh is one per array backend (conftest's ``xp_mesh1d``): every test
-    body runs over NumPy and CuPy pieces (the emulated CuPy under ``--device emulated``)."""
-    return xp_mesh1d
 
 
 def _mlp(mesh: dt.DeviceMesh, hidden: int) -> nn.Sequential:
