@@ -588,3 +588,28 @@ def test_fully_shard_keeps_the_replicated_values(mesh1d: dt.DeviceMesh, made: bo
         check.true(p.placements == (S0,) and p.to_local().base is None, f"{k}: {p.placements}, owns its piece")
         check.equal(p.to_torch(), want[k], f"{k} value")
     check.done()
+
+
+@pytest.mark.rank_independent
+@pytest.mark.path_independent
+def test_a_large_host_buffer_starts_on_a_huge_page_and_gives_its_memory_back() -> None:
+    """A unit's host buffer of 2 MiB or more starts on a 2 MiB boundary (transparent huge
+    pages, where the system allows them: a re-gather then faults once per 2 MiB, not per
+    4 KiB page); release returns the memory and the views read zeros until written again."""
+    from dtorch_mpi.nn.fsdp import _Buffer
+
+    specs = [((512, 512), np.dtype(np.float64)), ((3,), np.dtype(np.float32))]
+    buf = _Buffer(specs, "cpu")
+    weight, bias = buf.views
+    assert weight.ctypes.data % (2 << 20) == 0 and weight.shape == (512, 512) and bias.shape == (3,)
+    assert bias.ctypes.data == weight.ctypes.data + weight.nbytes  # cache-line aligned, packed
+    weight[...] = 1.0
+    bias[...] = 2.0
+    buf.release()
+    assert not buf.ensure() and buf.views[0] is weight  # host memory: the same views, in place
+    assert not weight.any() and not bias.any()
+    weight[...] = 3.0
+    assert float(weight.sum()) == 3.0 * weight.size
+    small = _Buffer([((4,), np.dtype(np.float64))], "cpu")  # below 2 MiB: an ordinary map
+    small.views[0][...] = 1.0
+    assert float(small.views[0].sum()) == 4.0

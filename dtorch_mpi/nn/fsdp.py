@@ -34,14 +34,16 @@ dim Replicate) is stored on the same ranks with the mesh dims ordered (tp, dp), 
 inside each tp piece and the dp all-gather gives back exactly the piece the module computes
 on (``_Layout``).
 
-The buffer is an anonymous memory map on CPU: freeing it returns its pages to the system
-(``madvise(MADV_DONTNEED)``) while the arrays that backward kernels saved keep pointing at it,
+The buffer is an anonymous memory map on CPU (on transparent huge pages where allowed: a
+re-gather then faults once per 2 MiB, not per 4 KiB page): freeing it returns its pages to
+the system (``madvise(MADV_DONTNEED)``) while the arrays that backward kernels saved keep pointing at it,
 so a re-gather restores them in place. Every decision is a function of the program's calls
 and metadata, so every rank starts the same collectives in the same order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -65,6 +67,7 @@ from .module import Module, Parameter
 from .wrapping import check_module_and_dp_mesh
 
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
+_HUGE = 2 << 20  # bytes: a transparent huge page (x86-64, arm64 with 4 KiB pages)
 
 
 @dataclass(frozen=True)
@@ -132,13 +135,28 @@ class _Buffer:
         if self.views:
             return False
         if self._device_type == "cpu":
-            self._map = mmap.mmap(-1, max(self.nbytes, 1), flags=mmap.MAP_PRIVATE)  # private: DONTNEED frees the pages
-            raw: Any = np.frombuffer(self._map, dtype=np.uint8)
+            raw: Any = self._host_map()
         else:
             raw = array_namespace(self._device_type).empty(max(self.nbytes, 1), dtype=np.uint8)
         self.views = [raw[o:o + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
                       for (shape, dtype), o in zip(self._specs, self._offsets)]
         return True
+
+    def _host_map(self) -> np.ndarray:
+        """The host bytes: a private anonymous map (``MADV_DONTNEED`` frees its pages), on
+        transparent huge pages where the system allows them (``MADV_HUGEPAGE``; the start
+        aligned to 2 MiB). After a release, every first write of a 4 KiB page faults and is
+        zeroed by the kernel: a 2 MB unit's all-gather took 1.08 ms instead of 0.15 (2 ranks),
+        with huge pages 0.14; where they are off, the map is an ordinary one."""
+        huge = self.nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE")
+        self._map = mmap.mmap(-1, max(self.nbytes, 1) + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE)
+        raw = np.frombuffer(self._map, dtype=np.uint8)
+        if not huge:
+            return raw
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        start = -raw.ctypes.data % _HUGE
+        return raw[start:start + self.nbytes]
 
     def release(self) -> None:
         """Give the memory back: the pages in place (host), or the allocation (device)."""
