@@ -30,6 +30,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .. import timeline as _trace
 from ..grad_mode import no_grad
 from .accumulate import accumulate
@@ -87,7 +89,8 @@ class Node:
             hooks = self.pre_hooks = {}
         return _add_hook(hooks, fn)
 
-    def apply(self, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
+    def apply(self, grad: "DTensor", retain_graph: bool, owned: bool = False) -> Sequence["DTensor | None"]:
+        """The gradients of the inputs (``owned`` matters to an accumulator only)."""
         fn = self._backward
         if fn is None:
             raise RuntimeError(
@@ -113,13 +116,16 @@ class AccumulateGrad(Node):
         self.leaf = leaf
         self.post_hooks: dict[int, LeafHook] = {}
 
-    def apply(self, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor | None"]:
+    def apply(self, grad: "DTensor", retain_graph: bool, owned: bool = False) -> Sequence["DTensor | None"]:
         leaf = self.leaf
         if leaf.grad is None:
-            # the leaf's own writable, C-ordered array: a backward kernel may hand the same
-            # buffer to several inputs (add), or a read-only broadcast view (sum), and
-            # optimizers and clip_grad_norm_ update .grad in place
-            leaf.grad = type(grad)(grad.to_local().copy(order="C"), grad.spec)
+            # the leaf's own writable, C-ordered array (optimizers and clip_grad_norm_ update
+            # .grad in place): ``grad``'s own when C-ordered and the engine knows nothing else
+            # refers to it (``owned``: see ``_owned``), else a copy (a backward kernel may hand
+            # the same buffer to several inputs (add), or a read-only broadcast view (sum))
+            local = grad.to_local()
+            keep = owned and local.flags.c_contiguous
+            leaf.grad = type(grad)(local if keep else local.copy(order="C"), grad.spec)
         else:
             leaf.grad = accumulate(leaf.grad, grad)
         return ()
@@ -256,9 +262,10 @@ def run_backward(root: "DTensor", grad: "DTensor", retain_graph: bool = False) -
     _frames.append(frame)
     try:
         with no_grad(), _trace.backward_span("backward()"):
+            owned: set[int] = set()  # the root gradient is the caller's
             while ready:
                 _, node = heapq.heappop(ready)
-                _run_node(node, pending, consumers, ready, retain_graph)
+                _run_node(node, pending, consumers, ready, retain_graph, owned)
             for fn in frame.callbacks:  # a callback may queue more: the list grows as it runs
                 fn()
     finally:
@@ -270,39 +277,110 @@ def step(node: Node, grad: "DTensor", retain_graph: bool) -> Sequence["DTensor |
     and (an accumulator) its leaf's post-accumulate hooks. Every loop that runs nodes (the
     engine's, a checkpoint's recompute) runs them through this, so hooks fire wherever the
     node runs."""
+    return _step(node, grad, retain_graph, False)[0]
+
+
+def _step(node: Node, grad: "DTensor", retain_graph: bool,
+          owned: bool) -> tuple[Sequence["DTensor | None"], "DTensor", bool]:
+    """``step``, and the gradient the node ran on with whether only the engine refers to its
+    array: ``owned`` says so of ``grad``; a pre-hook (which may keep what it is shown, or
+    return a replacement it keeps) makes it shared."""
     pre_hooks = getattr(node, "pre_hooks", None)  # a Node subclass may skip Node.__init__
     if pre_hooks:
+        owned = False
         for hook in list(pre_hooks.values()):
             replaced = hook(grad)
             if replaced is not None:
                 grad = replaced
     if _trace.current is None:
-        grads = node.apply(grad, retain_graph)
+        grads = node.apply(grad, retain_graph, owned)
     else:
         with _trace.backward_span(node.name):
-            grads = node.apply(grad, retain_graph)
+            grads = node.apply(grad, retain_graph, owned)
     if isinstance(node, AccumulateGrad):
         for leaf_hook in list(node.post_hooks.values()):
             leaf_hook(node.leaf)
-    return grads
+    return grads, grad, owned
+
+
+def _array_of(t: Any) -> Any:
+    """``t``'s piece without waiting (None while a nonblocking redistribute is pending)."""
+    return t._local if t._pending is None else None
+
+
+def _root(arr: Any) -> Any:
+    """The array that owns ``arr``'s memory (a NumPy view's ``base``)."""
+    base = getattr(arr, "base", None)
+    return arr if base is None else base
+
+
+def _whole_buffer(arr: Any) -> bool:
+    """A writable NumPy array spanning all of its owner's memory (itself, or a view such as a
+    product's ``.T``); not a NumPy scalar (a 0-d sum's result is one, read-only), not a slice
+    or broadcast of a larger array. Host arrays only: a device copy comes from CuPy's memory
+    pool without page faults, and the ownership test relies on NumPy's ``base`` identity."""
+    if type(arr) is not np.ndarray or not arr.flags.writeable:
+        return False
+    root = _root(arr)
+    return root is arr or (root.base is None and root.nbytes == arr.nbytes)
+
+
+def _owned(grads: Sequence["DTensor | None"], i: int, incoming: Any, incoming_owned: bool) -> bool:
+    """Whether output ``i`` of a node's backward is an array nothing else refers to. It spans
+    its own buffer (``_whole_buffer``) that no other output shares (add hands one buffer to
+    both inputs) and that is either new or the node's incoming gradient's when the engine
+    owned that one (a kernel passing ``g`` on, or a view of it such as a transpose). Backward
+    kernels never return arrays they saved from forward (tests/test_autograd.py checks every
+    op's), so a new buffer is the kernel's fresh result; an accumulator may keep it as the
+    leaf's ``.grad`` instead of copying it (PyTorch's AccumulateGrad steals the same way): a
+    2 MB gradient's copy took up to 1 ms of page faults."""
+    arr = _array_of(grads[i])
+    if arr is None or not _whole_buffer(arr):
+        return False
+    root = _root(arr)
+    if incoming is not None and root is _root(incoming) and not incoming_owned:
+        return False
+    for j, other in enumerate(grads):
+        if j != i and other is not None:
+            local = _array_of(other)
+            if local is None or _root(local) is root:
+                return False
+    return True
 
 
 def _run_node(node: Node, pending: dict[int, "DTensor"], consumers: dict[int, int],
-              ready: list[tuple[int, Node]], retain_graph: bool) -> None:
+              ready: list[tuple[int, Node]], retain_graph: bool, owned: set[int]) -> None:
+    """Run ``node`` on its pending gradient and pass its input gradients on. ``owned``: the
+    nodes whose pending gradient's array only the engine refers to (a sum it made, or a
+    kernel's fresh output: ``_owned``)."""
     g = pending.pop(id(node), None)
     grads: Sequence[DTensor | None] = ()
+    incoming, incoming_owned = None, False
     if g is not None:  # else reachable only through inputs that got no gradient
-        grads = step(node, g, retain_graph)
+        was_owned = id(node) in owned
+        owned.discard(id(node))
+        grads, g, incoming_owned = _step(node, g, retain_graph, was_owned)
+        incoming = _array_of(g)
     for i, nxt in enumerate(node.next):
         if nxt is None:
             continue
         gi = grads[i] if i < len(grads) else None
         if gi is not None:
-            prev = pending.get(id(nxt))
-            pending[id(nxt)] = gi if prev is None else accumulate(prev, gi)
+            key = id(nxt)
+            prev = pending.get(key)
+            if prev is None:
+                pending[key] = gi
+                if _owned(grads, i, incoming, incoming_owned):
+                    owned.add(key)
+            else:
+                pending[key] = total = accumulate(prev, gi)  # a new array
+                if _whole_buffer(_array_of(total)):
+                    owned.add(key)
+                else:
+                    owned.discard(key)
         consumers[id(nxt)] -= 1
         if consumers[id(nxt)] == 0:
             if isinstance(nxt, AccumulateGrad):
-                _run_node(nxt, pending, consumers, ready, retain_graph)  # a leaf: its gradient is complete
+                _run_node(nxt, pending, consumers, ready, retain_graph, owned)  # a leaf: its gradient is complete
             else:
                 heapq.heappush(ready, (-nxt.seq, nxt))
