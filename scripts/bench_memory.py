@@ -30,7 +30,9 @@ units live in fully_shard's memory map, which tracemalloc does not see). ``ok``:
 1.15 x formula. ``+2g``: the peak over the formula plus two units' unsharded gradients (the
 unit whose gradients are being computed and the one whose reduce-scatter is in flight hold
 theirs whole, which the issue's formula leaves out). Plans: ``dp`` (replicated parameters, ``reduce_gradients``), ``fsdp``,
-``fsdp_tp`` (even rank counts >= 4).
+``fsdp_tp`` (even rank counts >= 4), and where torch is importable ``torch_fsdp2`` and
+``torch_ddp``: PyTorch's FSDP2 and DDP on gloo, the same model and step, against the formula
+of ``fsdp`` / ``dp`` (list those first).
 
 Activation checkpointing: a stack of ``--ac-blocks`` pre-norm residual MLP blocks
 ``x + W2 @ dropout(gelu(W1 @ layer_norm(x)))`` (width d, ffn 4d, float64, batch sharded over the
@@ -314,6 +316,62 @@ def step_memory(plan: str, layers: int, width: int, batch: int) -> dict[str, flo
             mesh.free()
 
 
+_TORCH_PG: list[bool] = []  # whether gloo's process group was made (once per process)
+
+
+def torch_step_memory(plan: str, layers: int, width: int, batch: int) -> dict[str, float] | None:
+    """``torch_fsdp2`` / ``torch_ddp``: the same model and step in PyTorch (``fully_shard`` per
+    Linear and on the root, or DistributedDataParallel) on gloo over the same ranks, the
+    step's VmHWM above the resident set before building (None without torch)."""
+    try:
+        import torch
+        import torch.distributed as tdist
+    except ImportError:
+        return None
+    if not _TORCH_PG:
+        torch.set_num_threads(1)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29553")
+        tdist.init_process_group("gloo", rank=WORLD.Get_rank(), world_size=WORLD.Get_size())
+        _TORCH_PG.append(True)
+    import gc
+    gc.collect()
+    WORLD.Barrier()
+    rss0 = status_kib("VmRSS")
+    torch.manual_seed(0)
+    mods: list[Any] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width, dtype=torch.float64), torch.nn.GELU()]
+    model: Any = torch.nn.Sequential(*mods)
+    if plan == "torch_fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD.Get_size(),))
+        for m in mods:
+            if isinstance(m, torch.nn.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    rows = np.array_split(np.random.default_rng(0).standard_normal((batch, width)), WORLD.Get_size())
+    x = torch.from_numpy(rows[WORLD.Get_rank()].copy())
+
+    def step() -> None:
+        opt.zero_grad()
+        (model(x) ** 2).mean().backward()
+        opt.step()
+
+    step()
+    WORLD.Barrier()
+    hwm_ok = reset_hwm()
+    t0 = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - t0
+    return {"peak": (status_kib("VmHWM") - rss0) / 1024 if hwm_ok else float("nan"), "seconds": seconds}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -336,7 +394,25 @@ def main() -> None:
             print(f"training step: {args.layers} x (Linear({args.width}, {args.width}) + GELU) float64, batch "
                   f"{args.batch}, AdamW; MiB per rank (the largest over ranks); state = p + g + 2 moments held")
             print(f"{'plan':<9}{'state':>8}{'2 units':>8}{'acts':>7}{'formula':>9}{'VmHWM+':>8}{'ratio':>7}{'ok':>4}{'+2g':>6}{'pool':>7}{'s':>7}")
+        formulas: dict[str, float] = {}
         for plan in filter(None, args.step_plans.split(",")):
+            if plan.startswith("torch_"):
+                torch_step_memory(plan, args.layers, args.width, args.batch)  # warm-up run, as below
+                got = torch_step_memory(plan, args.layers, args.width, args.batch)
+                if WORLD.allreduce(got is None, op=MPI.LOR):  # every rank skips alike
+                    if WORLD.Get_rank() == 0:
+                        print(f"{plan:<9}  (torch is not installed)")
+                    continue
+                peak = WORLD.allreduce(got["peak"] if got else 0.0, op=MPI.MAX)
+                secs = WORLD.allreduce(got["seconds"] if got else 0.0, op=MPI.MAX)
+                mine = "fsdp" if plan == "torch_fsdp2" else "dp"  # the formula of the same plan
+                if WORLD.Get_rank() == 0 and mine in formulas:
+                    ratio = peak / formulas[mine]
+                    print(f"{plan:<9}{'':>32}{peak:8.2f}{ratio:7.2f}{'yes' if ratio <= 1.15 else 'no':>4}"
+                          f"{'':>13}{secs:7.3f}   (formula: {mine}'s)")
+                elif WORLD.Get_rank() == 0:
+                    print(f"{plan:<9}{'':>32}{peak:8.2f}   (list {mine} first for its formula){secs:7.3f}")
+                continue
             step_memory(plan, args.layers, args.width, args.batch)  # once to warm the process (MPI, imports, caches)
             row = step_memory(plan, args.layers, args.width, args.batch)
             flags = WORLD.allgather(row is None)
@@ -346,6 +422,7 @@ def main() -> None:
                 continue
             assert row is not None
             worst = {k: WORLD.allreduce(v, op=MPI.MAX) for k, v in row.items()}
+            formulas[plan] = worst["formula"]
             if WORLD.Get_rank() == 0:
                 ratio = worst["peak"] / worst["formula"]
                 print(f"{plan:<9}{worst['state']:8.2f}{worst['gathered']:8.2f}{worst['acts']:7.2f}"
