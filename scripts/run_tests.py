@@ -12,6 +12,11 @@ verdicts are every rank's). Every run is bounded (``--run-timeout``); a hung run
 run that exits non-zero without a report (or without a failure in it) counts one failure.
 The last line is the total over all runs, ``total: N passed, N failed, N skipped``.
 
+Runs write bytecode caches even where ``PYTHONDONTWRITEBYTECODE`` is set (it is dropped from the
+runs' environment unless a pass sets it): without them every rank of every run compiled the
+library and pytest rewrote every test module's asserts anew, about a second of CPU per process
+(a one-file run: 1.95 -> 0.95 s), ~70 process starts per ``make test``.
+
 Each stack runs with its own launcher, which is also handed to its tests as ``MPIEXEC`` (tests
 that start their own ``mpiexec`` must use the launcher of the MPI their Python was built
 against). pytest runs with ``--color=no``: Open MPI gives each rank a pseudo-terminal.
@@ -147,6 +152,8 @@ def run_one(spec: Pass, path: str, size: int, first_path: bool, extra: list[str]
         os.remove(junit)
     env = dict(os.environ, **spec.env, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1", MPIEXEC=spec.mpiexec,
                DTORCH_TEST_LOGDIR=logdir)
+    if "PYTHONDONTWRITEBYTECODE" not in spec.env:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # see the module docstring: bytecode caches
     pytest_cmd = [spec.python, "-m", "pytest", "-q", "--color=no", f"--junitxml={junit}", *spec.pytest_args,
                   *spec.tests, *extra]
     if not first_path:

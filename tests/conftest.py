@@ -44,6 +44,7 @@ except ImportError:
 
 RANK_INDEPENDENT = "rank_independent"
 PATH_INDEPENDENT = "path_independent"
+MAX_RANKS = "max_ranks"
 RUN_ONCE = [getattr(pytest.mark, RANK_INDEPENDENT), getattr(pytest.mark, PATH_INDEPENDENT)]
 """The marks of a test whose result depends on neither the rank count nor the collective path
 (a pure function, or one that launches its own mpiexec jobs): it runs once, in the 1-process
@@ -68,14 +69,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect what this run adds nothing to: ``rank_independent`` tests under mpiexec (they
-    ran in the 1-process run), with ``--skip-path-independent`` ``path_independent`` ones, and
-    with ``--device`` everything but the device-array cases. The same on every rank (marks and options are), so every rank runs the same tests."""
+    ran in the 1-process run), ``max_ranks(n)`` ones above n ranks, with
+    ``--skip-path-independent`` ``path_independent`` ones, and with ``--device`` everything but
+    the device-array cases. The same on every rank (marks and options are), so every rank runs
+    the same tests."""
     skip_paths = config.getoption("--skip-path-independent")
     off_device = {id(item) for item in _select_for_device(items)}
     keep, drop = [], []
     for item in items:
+        limit = item.get_closest_marker(MAX_RANKS)
         repeat = (SIZE > 1 and item.get_closest_marker(RANK_INDEPENDENT) is not None) or (
-            skip_paths and item.get_closest_marker(PATH_INDEPENDENT) is not None)
+            skip_paths and item.get_closest_marker(PATH_INDEPENDENT) is not None) or (
+            limit is not None and int(limit.args[0]) < SIZE)
         (drop if repeat or id(item) in off_device else keep).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -31,6 +31,10 @@ WORLD = MPI.COMM_WORLD
 LAYOUTS_1D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")], [dt.Partial("max")]]
 
 
+AGREEMENT_AT_TWO = pytest.mark.max_ranks(2)  # a refusal of metadata every rank reads alike: it takes two
+# ranks to check that every rank raises; more ranks only re-run the same reads (docs/testing.md)
+
+
 def state(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shape: tuple[int, ...]) -> tuple[dict, dict]:
     fulls, sd = {}, {}
     for i, plc in enumerate(layouts):
@@ -384,6 +388,7 @@ UNTRUSTED = {  # kind -> what the error must say (each names the dataset or attr
 }
 
 
+@AGREEMENT_AT_TWO
 @pytest.mark.parametrize(("kind", "staging"), [(kind, "all") for kind in sorted(UNTRUSTED)] + [
     (kind, "chunks") for kind in ("bit_flip", "zeroed", "fill_value", "external")])  # checksums: both stagings
 def test_untrusted_files_are_refused_before_reading(kind: str, staging: str, mesh1d: dt.DeviceMesh,
@@ -757,6 +762,7 @@ def _craft_scalar(kind: str, path: str) -> None:
     reseal(path)
 
 
+@AGREEMENT_AT_TWO
 @pytest.mark.parametrize("kind", sorted(MALFORMED))
 def test_malformed_training_state_is_refused_and_changes_nothing(kind: str, mesh1d: dt.DeviceMesh,
                                                                  shared_dir: str) -> None:
@@ -848,6 +854,7 @@ RETYPED = {  # edit -> what it changes about how the file's values come back
 }
 
 
+@AGREEMENT_AT_TWO
 @pytest.mark.parametrize("edit", sorted(RETYPED))
 def test_a_changed_pytype_or_layout_is_refused(edit: str, mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
     """The ``pytype`` attributes (and the names, dtypes and shapes) are covered by the root's
