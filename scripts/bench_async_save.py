@@ -1,5 +1,8 @@
 """Blocking time of an asynchronous checkpoint save vs a memcpy of this rank's state and vs a
-blocking save (interleaved, medians). Run under MPI, e.g.
+blocking save (interleaved, medians), and how much the write slows the work beside it: NumPy
+work (128 x 128 products for about ``--offcore-ms``: the core and the GIL) and off-core work (``--offcore-ms`` of
+``time.sleep`` in 2 ms slices, as a loop waiting on GPU kernels: only the GIL between them),
+each alone and while an async save writes. Run under MPI, e.g.
   PYTHONPATH=$PWD mpiexec -n 2 .venv/bin/python scripts/bench_async_save.py --mb 16 --reps 5
 """
 
@@ -23,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=16, help="MiB of state per rank")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--offcore-ms", type=float, default=40.0, help="off-core work beside the write (2 ms sleeps)")
     args = ap.parse_args()
     size = WORLD.Get_size()
     mesh = dt.init_device_mesh("cpu", (size,))
@@ -32,13 +36,24 @@ def main() -> None:
     directory = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
     path = os.path.join(directory, "ck.h5")
     times: dict[str, list[float]] = {"memcpy": [], "async (blocking part)": [], "async (to wait)": [],
-                                     "blocking save": [], "compute alone": [], "compute beside the write": []}
+                                     "blocking save": [], "compute alone": [], "compute beside the write": [],
+                                     "off-core alone": [], "off-core beside the write": []}
     a = np.random.default_rng(0).random((128, 128))
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    products = WORLD.bcast(max(1, round(20 * args.offcore_ms * 1e-3 / (time.perf_counter() - t))))
 
-    def compute() -> float:
+    def compute() -> float:  # about --offcore-ms of small products: the core and the GIL between them
         t = time.perf_counter()
-        for _ in range(10):
+        for _ in range(products):
             a @ a
+        return time.perf_counter() - t
+
+    def offcore() -> float:
+        t = time.perf_counter()
+        for _ in range(max(1, round(args.offcore_ms / 2))):
+            time.sleep(0.002)
         return time.perf_counter() - t
 
     for _ in range(args.reps):
@@ -57,6 +72,12 @@ def main() -> None:
         times["async (to wait)"].append(time.perf_counter() - t)
         times["compute alone"].append(compute())
         WORLD.Barrier()
+        h = dt.save(state, path, async_op=True)
+        assert h is not None
+        times["off-core beside the write"].append(offcore())
+        h.wait()
+        times["off-core alone"].append(offcore())
+        WORLD.Barrier()
         t = time.perf_counter()
         dt.save(state, path)
         times["blocking save"].append(time.perf_counter() - t)
@@ -65,7 +86,12 @@ def main() -> None:
         print(f"{size} ranks, {args.mb} MiB per rank, h5py mpi={dt.has_parallel_hdf5()}, medians of {args.reps} "
               f"(slowest rank):")
         for k, v in slowest.items():
-            print(f"  {k:24s} {v * 1e3:9.1f} ms")
+            print(f"  {k:26s} {v * 1e3:9.1f} ms")
+        goal = 1.2 * slowest["memcpy"] + 0.05
+        print(f"  blocking part / (1.2 memcpy + 50 ms) = {slowest['async (blocking part)'] / goal:.2f}; slowdown "
+              f"beside the write: NumPy {slowest['compute beside the write'] / slowest['compute alone'] - 1:+.0%}, "
+              f"off-core {slowest['off-core beside the write'] / slowest['off-core alone'] - 1:+.0%}; "
+              f"load {os.getloadavg()[0]:.1f}")
         for name in os.listdir(directory):
             os.remove(os.path.join(directory, name))
         os.rmdir(directory)

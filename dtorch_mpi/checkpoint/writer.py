@@ -13,6 +13,7 @@ writer's; see pending.py.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import sys
 import threading
@@ -162,6 +163,30 @@ class _Progress:
             sys.stderr.write("\n")
 
 
+ASYNC_WRITE_BYTES = 1 << 20
+"""An async save writes each rank's piece in calls of about this many bytes or fewer: h5py
+holds the GIL inside every write, so the training loop's thread waits for the call in flight
+whenever it needs the interpreter (16 MiB pieces slowed 2 ms sleeps beside the write by 21 %)."""
+
+
+def _parts(slab: _Slab, ranks: int, write_bytes: int | None) -> int:
+    """How many write calls a collective write of ``slab`` makes on every rank: from global
+    facts only (its shape, dtype and the rank count), so every rank makes the same number."""
+    if write_bytes is None or not slab.shape or not slab.shape[0]:
+        return 1
+    return max(1, min(slab.shape[0], -(-slab.nbytes // (ranks * write_bytes))))
+
+
+def _row_blocks(piece: tuple[Any, Any, Any] | None, parts: int) -> list[tuple[Any, Any, Any] | None]:
+    """``piece`` cut along its first dim into ``parts`` consecutive blocks (None: an empty one)."""
+    if parts == 1 or piece is None or not piece[1]:
+        return [piece] + [None] * (parts - 1)
+    offset, shape, data = piece
+    bounds = [shape[0] * i // parts for i in range(parts + 1)]
+    return [((offset[0] + a, *offset[1:]), (b - a, *shape[1:]), data[a:b]) if b > a else None
+            for a, b in itertools.pairwise(bounds)]
+
+
 def _write_slab(h5py: Any, ds: Any, piece: tuple[Any, Any, Any] | None, collective: bool) -> None:
     from h5py import h5fd, h5p, h5s
 
@@ -223,6 +248,7 @@ class _Job:
     groups: Mapping[str, str]
     slabs: list[_Slab]
     parallel: bool
+    write_bytes: int | None = None  # an async save's bytes per write call (None: one call per piece)
 
     def run(self, comm: MPI.Intracomm) -> None:
         """Create, write, fsync and rename ``tmp`` (collective over ``comm``, agreed throughout)."""
@@ -231,7 +257,7 @@ class _Job:
             with agreed(comm):
                 with LOCK:  # one thread inside h5py at a time (h5lib.py)
                     (_save_parallel if self.parallel else _save_in_turn)(self.h5py, comm, self.tmp, self.groups,
-                                                                         self.slabs)
+                                                                         self.slabs, self.write_bytes)
                 if rank == 0:
                     _fsync_file(self.tmp)
             with agreed(comm):
@@ -280,7 +306,7 @@ def _prepare(world: MPI.Intracomm, obj: Any, path: str | os.PathLike, *, copy: b
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"saving {path} failed: {exc}") from exc
-    return _Job(h5py, path, tmp, layout.groups, slabs, has_parallel_hdf5())
+    return _Job(h5py, path, tmp, layout.groups, slabs, has_parallel_hdf5(), ASYNC_WRITE_BYTES if copy else None)
 
 
 class SaveHandle:
@@ -394,22 +420,25 @@ def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab], sums: list[p
             attrs[pieces.ATTRIBUTE] = summary.table
 
 
-def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab]) -> None:
+def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab],
+                   write_bytes: int | None) -> None:
     progress = _Progress(sum(slab.nbytes for slab in slabs), world.Get_rank())
     with h5py.File(tmp, "w", driver="mpio", comm=world) as f:
         datasets = _create_datasets(f, groups, slabs)
         for slab in slabs:
             if not slab.nbytes:
                 continue  # no storage to write (the same decision on every rank)
-            with agreed(world):  # an I/O error the write reports on one rank stops every rank
-                _write_slab(h5py, datasets[slab.key], slab.piece, collective=True)
+            for block in _row_blocks(slab.piece, _parts(slab, world.Get_size(), write_bytes)):
+                with agreed(world):  # an I/O error the write reports on one rank stops every rank
+                    _write_slab(h5py, datasets[slab.key], block, collective=True)
             progress.add(slab.nbytes, "saving")
         _set_checksums(datasets, slabs, _exchanged_checksums(world, slabs))
     # no H5Fflush here: with MPI-IO it is an MPI_File_sync, and the file is fsynced after close
     progress.close()
 
 
-def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab]) -> None:
+def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab],
+                  write_bytes: int | None) -> None:
     global _warned
     rank = world.Get_rank()
     if not _warned and rank == 0 and world.Get_size() > 1:
@@ -427,7 +456,9 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
             try:
                 with h5py.File(tmp, "r+") as f:
                     for slab in mine:
-                        _write_slab(h5py, f[_group_path(slab.key)], slab.piece, collective=False)
+                        parts = 1 if write_bytes is None else max(1, -(-slab.piece[2].nbytes // write_bytes))  # type: ignore[index]
+                        for block in _row_blocks(slab.piece, parts):
+                            _write_slab(h5py, f[_group_path(slab.key)], block, collective=False)
             except Exception as exc:
                 error = exc
         wait_request(world.Ibarrier(), "the checkpoint save's writes in turn (Barrier)")
