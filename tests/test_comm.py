@@ -97,6 +97,21 @@ def test_layout_arithmetic_against_numpy() -> None:
             width = max(sizes)
             want_rows = [r * width + i for r, k in enumerate(sizes) for i in range(k)]
             assert layout.padded_rows(sizes, width).tolist() == want_rows
+            runs_rows = [at + b * width + i for at, k, rows, _ in layout.padded_runs(sizes, width)
+                         for b in range(k) for i in range(rows)]
+            assert runs_rows == want_rows and [to for *_, to in layout.padded_runs(sizes, width)] == [
+                starts[r] for r in range(m) if sizes[r] and (r == 0 or sizes[r] != sizes[r - 1] or not sizes[r - 1])]
+            for dtype, inner in ((np.float32, 1), (np.int16, 2), (np.uint8, 4), (np.float64, 1)):  # runs of 2-8
+                src = np.arange(2 * n * inner).astype(dtype).reshape(2, n, inner)  # bytes: one wider int each
+                want = np.concatenate([src[:, o : o + k].reshape(-1) for o, k in zip(starts, sizes)])
+                got = mpi_backend._pack_by_destination(src, sizes, None, src.dtype)
+                assert np.array_equal(got, want), (m, n, dtype)
+                back = np.zeros_like(src)
+                mpi_backend._copy_runs(layout.destination_runs(sizes, 2 * inner, None)[0], got, back, False)
+                assert np.array_equal(back, src), (m, n, dtype)
+                if dtype is np.float32:  # into a buffer of another dtype (a widened reduction's): cast per element
+                    wider = mpi_backend._pack_by_destination(src, sizes, None, np.float64)
+                    assert wider.dtype == np.float64 and np.array_equal(wider, want), (m, n)
             src3 = np.arange(2 * n * 3, dtype=np.float64).reshape(2, n, 3)
             for pad in (None, width):
                 blocks = []

@@ -102,6 +102,24 @@ def gather_v_spec(sizes: Sequence[int], inner: int) -> tuple[list[int], list[int
 
 
 @by_identity(maxsize=256)
+@by_identity(maxsize=256)
+def padded_runs(sizes: tuple[int, ...], width: int) -> tuple[tuple[int, int, int, int], ...]:
+    """A gather padded to ``width`` rows per rank, compacted: ``(source row, blocks, rows per
+    block, destination row)`` per run of consecutive ranks with the same non-zero size (an
+    uneven split has at most three such runs, so compacting is a few strided copies, not a
+    copy per rank or a gather of every row)."""
+    runs: list[tuple[int, int, int, int]] = []
+    dst = 0
+    for i, n in enumerate(sizes):
+        if n and runs and runs[-1][2] == n and runs[-1][0] + runs[-1][1] * width == i * width:
+            src, k, _, at = runs[-1]
+            runs[-1] = (src, k + 1, n, at)
+        elif n:
+            runs.append((i * width, 1, n, dst))
+        dst += n
+    return tuple(runs)
+
+
 def padded_rows(sizes: Sequence[int], width: int) -> np.ndarray:
     """The rows of a gather padded to ``width`` rows per rank that hold data, in order."""
     starts = np.repeat(np.arange(len(sizes)) * width, sizes)
