@@ -119,3 +119,10 @@ def assert_all_rules_ran(hits: set, ops: list[str]) -> None:
 MATMUL_SHAPES = [((SIZE + 2, 4), (4, 3)), ((4, SIZE + 1), (SIZE + 1, 2)), ((2, SIZE + 1, 4), (4, 3)),
                  ((2, 3, 4), (2, 4, SIZE)), ((SIZE + 2, 4), (4,)), ((4,), (4, SIZE + 1)), ((0, 3), (3, 2))]
 
+
+
+def a_writing_rank() -> int:
+    """A rank that calls the checkpoint writer's ``_write_slab`` in a save: the last with MPI
+    in h5py (every rank writes collectively), else rank 0 (each node's lowest rank writes its
+    node's pieces: checkpoint/funnel.py)."""
+    return SIZE - 1 if dt.has_parallel_hdf5() else 0

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import RANK, SIZE, Checker, to_numpy
-from helpers import full_value, make_pieces, patch_bytes
+from helpers import a_writing_rank, full_value, make_pieces, patch_bytes
 from mpi4py import MPI
 from mpi_launch import child_env, run
 
@@ -498,11 +498,12 @@ def test_io_error_in_a_collective_write_raises_everywhere(mesh1d: dt.DeviceMesh,
     dt.save(sd, path)
     before = open(path, "rb").read() if RANK == 0 else b""
     real, calls = ck._write_slab, {"n": 0}
+    writer = a_writing_rank()
 
     def failing_write(*args: Any, **kwargs: Any) -> None:
         real(*args, **kwargs)
         calls["n"] += 1
-        if RANK == SIZE - 1 and calls["n"] == 2:
+        if writer == RANK and calls["n"] == 2:
             raise OSError(28, "No space left on device (planted)")
 
     monkeypatch.setattr(ck, "_write_slab", failing_write)

@@ -15,7 +15,7 @@ import h5py
 import numpy as np
 import pytest
 from conftest import RANK, SIZE, Checker
-from helpers import full_value, make_pieces
+from helpers import a_writing_rank, full_value, make_pieces
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -125,12 +125,13 @@ def test_a_failed_write_is_raised_by_wait_on_every_rank(mesh1d: dt.DeviceMesh, s
     WORLD.Barrier()
     before = open(path, "rb").read() if RANK == 0 else b""
     real = ck._write_slab
+    writer = a_writing_rank()
 
     def failing(*args: Any, **kwargs: Any) -> None:
         """In the writer thread: the write completes (a collective MPI-IO write must be made by
-        every rank), then reports an I/O error on the last rank only, as an ENOSPC does."""
+        every rank), then reports an I/O error on one writing rank only, as an ENOSPC does."""
         real(*args, **kwargs)
-        if RANK == SIZE - 1:
+        if writer == RANK:
             raise OSError(28, "No space left on device (planted)")
 
     monkeypatch.setattr(ck, "_write_slab", failing)

@@ -17,7 +17,8 @@ writes its own hyperslab in one collective call per tensor (ranks with nothing t
 take part, with an empty selection: h5py would skip a zero-size write and hang the others). A
 ``Replicate`` tensor is written by one replica; a ``Partial`` tensor is first reduce-scattered
 so that each rank writes a slice of the reduced value. Without MPI in h5py (the pip wheel),
-rank 0 creates the file and the ranks then write their hyperslabs in turn (one warning). Every
+rank 0 creates the file and each node's lowest rank writes its node's pieces, the nodes in
+turn (one warning; checkpoint/funnel.py). Every
 write is agreed: an I/O error on one rank makes every rank raise, never leaves one in a collective.
 
 Atomic: the file is written under a temporary name in the same directory, flushed and fsynced;

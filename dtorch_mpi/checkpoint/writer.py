@@ -3,7 +3,7 @@
 A save has two parts. The *prepare* part runs on the calling thread with the library's
 collectives: agreement of the structure, Partial tensors reduce-scattered, the choice of writers,
 each rank's pieces. The *write* part touches only h5py, the checksums and one communicator:
-create the temporary file, write the hyperslabs (collective MPI-IO or in turn), exchange the
+create the temporary file, write the hyperslabs (collective MPI-IO, or node by node), exchange the
 checksums, fsync, rename. ``save(..., async_op=True)`` copies this rank's pieces, duplicates the
 world communicator (collectively, on the calling thread) and runs the write part in a background
 thread on that duplicate, so no library collective of the main thread can match one of the
@@ -33,7 +33,7 @@ from ..dtensor import DTensor
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
 from ..spmd import agreed, require_same
-from . import pieces, pytypes, tree, validate
+from . import funnel, pieces, pytypes, tree, validate
 from .checksum import checksum, require_hasher
 from .h5lib import LOCK, fixed, has_parallel_hdf5
 from .h5lib import group_path as _group_path
@@ -249,6 +249,7 @@ class _Job:
     slabs: list[_Slab]
     parallel: bool
     write_bytes: int | None = None  # an async save's bytes per write call (None: one call per piece)
+    node_of: Any = None  # without MPI in h5py: every rank's node writer (funnel.leaders)
 
     def run(self, comm: MPI.Intracomm) -> None:
         """Create, write, fsync and rename ``tmp`` (collective over ``comm``, agreed throughout)."""
@@ -256,8 +257,11 @@ class _Job:
         try:
             with agreed(comm):
                 with LOCK:  # one thread inside h5py at a time (h5lib.py)
-                    (_save_parallel if self.parallel else _save_in_turn)(self.h5py, comm, self.tmp, self.groups,
-                                                                         self.slabs, self.write_bytes)
+                    if self.parallel:
+                        _save_parallel(self.h5py, comm, self.tmp, self.groups, self.slabs, self.write_bytes)
+                    else:
+                        _save_in_turn(self.h5py, comm, self.tmp, self.groups, self.slabs, self.write_bytes,
+                                      self.node_of)
                 if rank == 0:
                     _fsync_file(self.tmp)
             with agreed(comm):
@@ -306,7 +310,9 @@ def _prepare(world: MPI.Intracomm, obj: Any, path: str | os.PathLike, *, copy: b
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"saving {path} failed: {exc}") from exc
-    return _Job(h5py, path, tmp, layout.groups, slabs, has_parallel_hdf5(), ASYNC_WRITE_BYTES if copy else None)
+    parallel = has_parallel_hdf5()
+    node_of = None if parallel else funnel.leaders(world)  # (a collective: on the calling thread)
+    return _Job(h5py, path, tmp, layout.groups, slabs, parallel, ASYNC_WRITE_BYTES if copy else None, node_of)
 
 
 class SaveHandle:
@@ -438,11 +444,11 @@ def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[st
 
 
 def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab],
-                  write_bytes: int | None) -> None:
+                  write_bytes: int | None, node_of: np.ndarray) -> None:
     global _warned
     rank = world.Get_rank()
     if not _warned and rank == 0 and world.Get_size() > 1:
-        warnings.warn("h5py has no MPI support: checkpoint ranks write in turn (slower); "
+        warnings.warn("h5py has no MPI support: checkpoint nodes write in turn (slower); "
                       "install a parallel h5py for collective MPI-IO", stacklevel=3)
     _warned = True
     with agreed(world):
@@ -450,18 +456,16 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
             with h5py.File(tmp, "w") as f:
                 _create_datasets(f, groups, slabs)
     error: Exception | None = None
-    mine = [slab for slab in slabs if slab.piece is not None and prod(slab.piece[1])]
-    for turn in range(world.Get_size()):
-        if turn == rank and mine:
-            try:
-                with h5py.File(tmp, "r+") as f:
-                    for slab in mine:
-                        parts = 1 if write_bytes is None else max(1, -(-slab.piece[2].nbytes // write_bytes))  # type: ignore[index]
-                        for block in _row_blocks(slab.piece, parts):
-                            _write_slab(h5py, f[_group_path(slab.key)], block, collective=False)
-            except Exception as exc:
-                error = exc
-        wait_request(world.Ibarrier(), "the checkpoint save's writes in turn (Barrier)")
+    mine = [(i, slab.piece) for i, slab in enumerate(slabs) if slab.piece is not None and prod(slab.piece[1])]
+    leader = int(node_of[rank])  # one writer per node (checkpoint/funnel.py), the nodes in turn
+    sends = [] if leader == rank else funnel.send(world, leader, mine)
+    for turn in sorted(set(node_of.tolist())):
+        if turn == rank:
+            members = [r for r in range(world.Get_size()) if node_of[r] == rank and r != rank]
+            error = _write_node(h5py, world, tmp, slabs, mine, members, write_bytes)
+        wait_request(world.Ibarrier(), "the checkpoint save's writes, node by node (Barrier)")
+    for request in sends:
+        wait_request(request, "the checkpoint save's pieces sent to the node's writer")
     with agreed(world):
         if error is not None:
             raise error
@@ -470,6 +474,33 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
         if rank == 0:
             with h5py.File(tmp, "r+") as f:
                 _set_checksums({slab.key: f[_group_path(slab.key)] for slab in slabs}, slabs, sums)
+
+
+def _write_node(h5py: Any, world: MPI.Intracomm, tmp: str, slabs: list[_Slab], mine: list[tuple[int, Any]],
+                members: list[int], write_bytes: int | None) -> Exception | None:
+    """A node leader's turn: open the file once, write its pieces and its members' as they arrive."""
+    opened: Exception | None = None
+    try:
+        f = h5py.File(tmp, "r+")
+    except Exception as exc:  # every piece then fails alike (the members' are still received)
+        f, opened = None, exc
+
+    def write(index: int, piece: Any) -> None:
+        if f is None:
+            raise opened  # type: ignore[misc]
+        slab = slabs[index]
+        parts = 1 if write_bytes is None else max(1, -(-piece[2].nbytes // write_bytes))
+        for block in _row_blocks(piece, parts):
+            _write_slab(h5py, f[_group_path(slab.key)], block, collective=False)
+
+    error = funnel.write_node(world, members, mine, [len(slab.shape) for slab in slabs],
+                              [slab.dtype for slab in slabs], write)
+    if f is not None:
+        try:
+            f.close()
+        except Exception as exc:
+            error = error or exc
+    return error if error is not None else opened
 
 
 def _fsync_file(path: str) -> None:
