@@ -321,8 +321,8 @@ def _whole_buffer(arr: Any) -> bool:
     pool without page faults, and the ownership test relies on NumPy's ``base`` identity."""
     if type(arr) is not np.ndarray or not arr.flags.writeable:
         return False
-    root = _root(arr)
-    return root is arr or (root.base is None and root.nbytes == arr.nbytes)
+    root = _root(arr)  # (a view of a memory map or of bytes has no NumPy owner: not whole)
+    return root is arr or (type(root) is np.ndarray and root.base is None and root.nbytes == arr.nbytes)
 
 
 def _owned(grads: Sequence["DTensor | None"], i: int, incoming: Any, incoming_owned: bool) -> bool:

@@ -596,8 +596,9 @@ def _copy_runs(runs: tuple[tuple[int, int, int, int, int], ...], flat: Any, view
     item = view3.dtype.itemsize
     for at, k, n, o, stride in runs:
         wide = _RUN_AS.get(n * inner * item) if n * inner > 1 and not rows_padded else None
-        if wide is not None and flat.dtype == view3.dtype and _xp(flat) is np:  # each run one wider element
-            # (not where the buffer is of another dtype: a widened reduction casts as it copies)
+        if wide is not None and flat.dtype == view3.dtype and view3.flags.c_contiguous and _xp(flat) is np:
+            # each run one wider element (not where the buffer is of another dtype: a widened
+            # reduction casts as it copies; ``view3`` C-ordered, so the merged view is no copy)
             slots2 = flat[at : at + k * stride].reshape(k, stride)[:, : rows * n * inner].view(wide)
             blocks2 = view3[:, o : o + k * n, :].reshape(rows, k * n * inner).view(wide).T
             if packing:
