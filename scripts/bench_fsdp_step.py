@@ -12,6 +12,8 @@ optimizer step. Cases, interleaved repeat by repeat, medians of the slowest rank
             gradients reduce-scattered, AdamW on the shards)
   fsdp_keep the same with ``reshard_after_forward=False`` (ZeRO-2-like: no re-gather in
             backward)
+  fsdp_lean ``backward_prefetch=False``: no prefetch in backward, each reduce-scatter
+            finished before the next unit's backward (the least memory)
 
 and, where torch is installed (``PYTHONPATH`` may point at it), the same model in PyTorch on
 gloo over the same ranks: ``torch dp`` (DistributedDataParallel) and ``torch fsdp2``
@@ -63,9 +65,10 @@ def dtorch_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, batch: 
     if plan == "dp":
         dt.replicate(model, mesh=mesh)
     else:
+        keep, prefetch = plan == "fsdp_keep", plan != "fsdp_lean"
         for layer in model.layers:
-            dt.fully_shard(layer, mesh=mesh, reshard_after_forward=plan == "fsdp")
-        dt.fully_shard(model, mesh=mesh, reshard_after_forward=plan == "fsdp")
+            dt.fully_shard(layer, mesh=mesh, reshard_after_forward=not keep, backward_prefetch=prefetch)
+        dt.fully_shard(model, mesh=mesh, reshard_after_forward=not keep, backward_prefetch=prefetch)
     opt = dt.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     rng = np.random.default_rng(1)
     x = dt.distribute_tensor(rng.standard_normal((batch * WORLD.size, width)), mesh, [S0])
@@ -147,7 +150,8 @@ def main() -> None:
     ap.add_argument("--no-torch", action="store_true")
     args = ap.parse_args()
     mesh = dt.init_device_mesh("cpu", (WORLD.size,))
-    cases = {plan: dtorch_step(plan, mesh, args.layers, args.hidden, args.batch) for plan in ("dp", "fsdp", "fsdp_keep")}
+    cases = {plan: dtorch_step(plan, mesh, args.layers, args.hidden, args.batch)
+             for plan in ("dp", "fsdp", "fsdp_keep", "fsdp_lean")}
     note = "torch skipped (--no-torch)"
     if not args.no_torch:
         more, note = torch_steps(args.layers, args.hidden, args.batch)

@@ -30,7 +30,9 @@ units live in fully_shard's memory map, which tracemalloc does not see). ``ok``:
 1.15 x formula. ``+2g``: the peak over the formula plus two units' unsharded gradients (the
 unit whose gradients are being computed and the one whose reduce-scatter is in flight hold
 theirs whole, which the issue's formula leaves out). Plans: ``dp`` (replicated parameters, ``reduce_gradients``), ``fsdp``,
-``fsdp_tp`` (even rank counts >= 4), and where torch is importable ``torch_fsdp2`` and
+``fsdp_tp`` (even rank counts >= 4), ``fsdp_lean`` (fsdp with ``backward_prefetch=False``:
+no prefetch in backward, each reduce-scatter finished before the next unit's backward), and
+where torch is importable ``torch_fsdp2`` and
 ``torch_ddp``: PyTorch's FSDP2 and DDP on gloo, the same model and step, against the formula
 of ``fsdp`` / ``dp`` (list those first).
 
@@ -247,11 +249,12 @@ def _step_model(plan: str, layers: int, width: int, n: int) -> tuple[nn.Module, 
         for i, m in enumerate(lin):
             (nn.ColwiseParallel(use_local_output=False) if i % 2 == 0
              else nn.RowwiseParallel(use_local_output=False)).apply(m, mesh)
-    if plan in ("fsdp", "fsdp_tp"):
+    if plan in ("fsdp", "fsdp_tp", "fsdp_lean"):
         dp_mesh = mesh2["dp"] if mesh2 is not None else mesh
+        prefetch = plan != "fsdp_lean"  # fsdp_lean: backward_prefetch=False, the least memory
         for m in lin:
-            dt.fully_shard(m, mesh=dp_mesh)
-        dt.fully_shard(model, mesh=dp_mesh)
+            dt.fully_shard(m, mesh=dp_mesh, backward_prefetch=prefetch)
+        dt.fully_shard(model, mesh=dp_mesh, backward_prefetch=prefetch)
     return model, mesh, dp, mesh2
 
 

@@ -44,10 +44,11 @@ class Tower(nn.Module):
         return self.b(F.gelu(self.a(x), "tanh"))
 
 
-def _shard_all(model: nn.Module, mesh: dt.DeviceMesh, reshard: bool, layers: tuple[str, ...]) -> None:
+def _shard_all(model: nn.Module, mesh: dt.DeviceMesh, reshard: bool, layers: tuple[str, ...],
+               prefetch: bool = True) -> None:
     for name in layers:
-        dt.fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
-    dt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        dt.fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard, backward_prefetch=prefetch)
+    dt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard, backward_prefetch=prefetch)
 
 
 def _grads(model: nn.Module, x: np.ndarray, y: np.ndarray, mesh: dt.DeviceMesh, steps: int = 1) -> dict[str, Any]:
@@ -176,6 +177,40 @@ def test_next_units_gather_is_prefetched(mesh1d: dt.DeviceMesh, monkeypatch: pyt
     check.true([n for n, _ in forward] == ["MLP", "Linear.fc1", "RowLinear.fc2", "Linear.head"], f"{forward}")
     check.true(backward[0] == ("Linear.head", "free") and [st for _, st in backward[1:]] == ["pending", "pending"],
                f"backward: {backward}")
+    check.done()
+
+
+@pytest.mark.parametrize("reshard", RESHARD)
+def test_without_backward_prefetch_one_unit_is_whole_at_a_time(mesh1d: dt.DeviceMesh, reshard: bool,
+                                                                monkeypatch: pytest.MonkeyPatch, check: Checker) -> None:
+    """``backward_prefetch=False``: when a unit's backward starts, no other unit's gather and no
+    reduce-scatter is in flight (with resharding its gathered parameters and gradients are the
+    only whole ones; without, units stay gathered from forward by design), and the gradients
+    are the replicated model's."""
+    x = np.random.default_rng(3).standard_normal((5, 4))
+    y = np.random.default_rng(4).standard_normal((5, 3))
+    width = SIZE + 1
+    dt.manual_seed(0)
+    want = _grads(Tower(width, mesh1d), x, y, mesh1d, steps=2)
+    dt.manual_seed(0)
+    model = Tower(width, mesh1d)
+    _shard_all(model, mesh1d, reshard, ("a", "b"), prefetch=False)
+    seen: list[tuple[str, list[str], int]] = []
+    pre_backward = _Unit._pre_backward
+
+    def logged(self: _Unit, grad: dt.DTensor) -> None:
+        pre_backward(self, grad)
+        seen.append((type(self.module).__name__, [u.state for u in self.group.units if u is not self],
+                     len(self.group.reducing)))
+
+    monkeypatch.setattr(_Unit, "_pre_backward", logged)
+    got = _grads(model, x, y, mesh1d, steps=2)
+    check.true(len(seen) >= 4, f"pre-backward points: {seen}")
+    for name, others, reducing in seen:
+        check.true(all(st in (("free",) if reshard else ("free", "gathered")) for st in others) and reducing == 0,
+                   f"{name}'s backward began with other units {others} and {reducing} reductions in flight")
+    for name, grad in got.items():
+        check.equal(grad, want[name], f"{name} grad", exact=False, rtol=0, atol=1e-12)
     check.done()
 
 

@@ -15,9 +15,10 @@ its forward starts            finish its all-gather (prefetched or now), start t
 its forward returns           swap the sharded ones back; free the buffer
                               (``reshard_after_forward``); a pre-backward hook on each output
 a hook on its outputs fires   (pre-backward) finish its all-gather, start the all-gather of
-                              the unit that runs backward next (reverse forward order), swap
-                              the gathered parameters in until the unit is reduced (a
-                              checkpointed function inside it recomputes on them)
+                              the unit that runs backward next (reverse forward order; with
+                              ``backward_prefetch=False`` instead finish the reduce-scatter
+                              in flight), swap the gathered parameters in until the unit is
+                              reduced (a checkpointed function inside it recomputes on them)
 its forward runs in backward  (a checkpoint's recompute) gather, swap in and keep them; the
                               forward order and its prefetch are left alone
 a gathered grad is complete   (post-accumulate-grad hook) once all of the unit's are: start
@@ -230,9 +231,10 @@ class _Unit:
     """One ``fully_shard`` call's parameters and their gather / free / reduce state."""
 
     def __init__(self, module: Module, mesh: DeviceMesh, slots: list[_Slot], buffer: _Buffer,
-                 reshard_after_forward: bool) -> None:
+                 reshard_after_forward: bool, backward_prefetch: bool = True) -> None:
         self.module, self.mesh, self.slots, self.buffer = module, mesh, slots, buffer
         self.reshard_after_forward = reshard_after_forward
+        self.backward_prefetch = backward_prefetch
         self.group = _Group(units=[self])
         self.state = "free"  # free | pending | gathered
         self.pending: list[Callable[[], Any]] = []
@@ -330,6 +332,9 @@ class _Unit:
         self.group.join_backward()
         self.gather()
         self.expose(True)
+        if not self.backward_prefetch:  # the least memory: the reduce-scatter in flight ends here,
+            self.group.finish_reductions()  # before this unit's gradients exist
+            return None
         before = self.group.neighbour(self, -1)
         if before is not None:
             before.start_gather()  # backward prefetch: the unit whose backward runs next
@@ -483,9 +488,15 @@ def _on_grad_complete(unit: _Unit, slot: _Slot) -> Callable[[DTensor], None]:
     return lambda _leaf: unit.grad_complete(slot)
 
 
-def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True) -> Module:
+def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
+                backward_prefetch: bool = True) -> Module:
     """Shard ``module``'s unclaimed (replicated) parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
-    returns the module. Apply bottom-up (blocks, then the root); see docs/training.md."""
+    returns the module. Apply bottom-up (blocks, then the root); see docs/training.md.
+
+    ``backward_prefetch=False`` (PyTorch FSDP1's ``backward_prefetch=None``): in backward this
+    unit gathers when its backward starts, without starting the next unit's gather, and first
+    finishes the reduce-scatter still in flight, so at most two units' worth of gathered
+    parameters and whole gradients exist at a time; the price is the overlap in backward."""
     check_module_and_dp_mesh("fully_shard", module, mesh)
     if _unit_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -507,7 +518,7 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     buffer = _Buffer([(spec.local_shape, spec.dtype) for spec in specs], mesh.device_type)
     for s, view, spec in zip(slots, buffer.views, specs):
         s.gathered = Parameter(DTensor(view, spec), requires_grad=s.sharded.requires_grad)
-    unit = _Unit(module, mesh, slots, buffer, reshard_after_forward)
+    unit = _Unit(module, mesh, slots, buffer, reshard_after_forward, backward_prefetch)
     unit.free()  # the buffer's memory goes back until the first gather
     for s in slots:
         if s.gathered.requires_grad:
