@@ -25,7 +25,7 @@ from mpi4py import MPI
 from .._mpi import node_id
 from ..comm.deadline import wait_request
 
-_TAG = 0x2F5A  # the funnel's messages on the save's own communicator (no other traffic there)
+_TAG = 0x2F5A  # the funnel's point-to-point messages (a tag of their own; collectives never match them)
 RUN_BYTES = 16 << 20  # a leader joins adjacent pieces into writes of about this size at most
 
 Piece = tuple[Any, Any, Any]  # (offset, shape, data) of one rank's part of one dataset
