@@ -553,3 +553,25 @@ def test_a_fresh_leaf_gradient_is_kept_without_a_copy(mesh1d: dt.DeviceMesh) -> 
     assert not np.shares_memory(v.grad.to_local(), kept[0].to_local())
     v.grad.to_local()[...] = 0.0  # an optimizer's in-place update leaves what the hook kept alone
     assert kept[0].to_local().any()
+
+
+def test_a_gradient_a_hook_kept_inside_a_checkpoint_is_not_the_leaf_gradient(mesh1d: dt.DeviceMesh) -> None:
+    """A hook inside a checkpointed function keeps the gradient it is shown during the
+    recompute; the leaf's .grad must not be that array (the engine does not see those hooks, so
+    a checkpoint's outputs are always copied into .grad)."""
+    from dtorch_mpi.nn.utils import checkpoint
+
+    kept: list[dt.DTensor] = []
+
+    def fn(w: dt.DTensor) -> dt.DTensor:
+        t = w.reshape(3, 2)
+        t.register_hook(kept.append)
+        return t * 2.0
+
+    w = dt.distribute_tensor(np.arange(6.0).reshape(2, 3), mesh1d, [R], requires_grad=True)
+    checkpoint(fn, w).sum().backward()
+    assert w.grad is not None and len(kept) == 1
+    xp = array_namespace(mesh1d.device_type)
+    assert not xp.shares_memory(w.grad.to_local(), kept[0].to_local())
+    w.grad.to_local()[...] = 0.0  # an optimizer's in-place update leaves what the hook kept alone
+    assert float(kept[0].to_local().sum()) == 12.0

@@ -71,9 +71,13 @@ class Node:
     """One recorded operation: its name, backward function and input edges.
 
     ``pre_hooks`` (None until one is registered): called in registration order with the
-    node's complete output gradient before ``apply``; a hook may return a replacement."""
+    node's complete output gradient before ``apply``; a hook may return a replacement.
+    ``fresh_outputs``: every array its backward returns is new or derived from the incoming
+    gradient (``_owned``); a node that runs other nodes inside, whose hooks the engine does not
+    see (a checkpoint's recompute), says no, and its outputs are never kept uncopied."""
 
     __slots__ = ("name", "next", "_backward", "seq", "pre_hooks")
+    fresh_outputs = True
 
     def __init__(self, name: str, next_nodes: tuple[Node | None, ...], backward: BackwardFn) -> None:
         self.name = name
@@ -370,7 +374,7 @@ def _run_node(node: Node, pending: dict[int, "DTensor"], consumers: dict[int, in
             prev = pending.get(key)
             if prev is None:
                 pending[key] = gi
-                if _owned(grads, i, incoming, incoming_owned):
+                if node.fresh_outputs and _owned(grads, i, incoming, incoming_owned):
                     owned.add(key)
             else:
                 pending[key] = total = accumulate(prev, gi)  # a new array

@@ -89,11 +89,11 @@ def write_node(world: MPI.Intracomm, members: list[int], mine: list[tuple[int, P
     def put(index: int, run: list[Piece]) -> None:
         nonlocal error
         if error is None and run:
-            offset, _, _ = run[0]
-            rows = sum(p[1][0] for p in run) if len(run) > 1 else run[0][1][0] if run[0][1] else None
-            data = np.concatenate([p[2] for p in run]) if len(run) > 1 else run[0][2]
-            shape = run[0][1] if rows is None else (rows, *run[0][1][1:])
-            try:
+            try:  # (joining the run too: a MemoryError must not leave the members sending)
+                offset, _, _ = run[0]
+                rows = sum(p[1][0] for p in run) if len(run) > 1 else run[0][1][0] if run[0][1] else None
+                data = np.concatenate([p[2] for p in run]) if len(run) > 1 else run[0][2]
+                shape = run[0][1] if rows is None else (rows, *run[0][1][1:])
                 write(index, (offset, shape, data))
             except Exception as exc:
                 error = exc

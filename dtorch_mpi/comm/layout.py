@@ -102,7 +102,6 @@ def gather_v_spec(sizes: Sequence[int], inner: int) -> tuple[list[int], list[int
 
 
 @by_identity(maxsize=256)
-@by_identity(maxsize=256)
 def padded_runs(sizes: tuple[int, ...], width: int) -> tuple[tuple[int, int, int, int], ...]:
     """A gather padded to ``width`` rows per rank, compacted: ``(source row, blocks, rows per
     block, destination row)`` per run of consecutive ranks with the same non-zero size (an
@@ -120,6 +119,7 @@ def padded_runs(sizes: tuple[int, ...], width: int) -> tuple[tuple[int, int, int
     return tuple(runs)
 
 
+@by_identity(maxsize=256)
 def padded_rows(sizes: Sequence[int], width: int) -> np.ndarray:
     """The rows of a gather padded to ``width`` rows per rank that hold data, in order."""
     starts = np.repeat(np.arange(len(sizes)) * width, sizes)

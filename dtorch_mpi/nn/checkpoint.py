@@ -137,10 +137,18 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         with no_grad():
             return _backprop(nodes, grad)
 
-    node = Node("Checkpoint", tuple(boundary), backward)
+    node = _Checkpoint("Checkpoint", tuple(boundary), backward)
     node.pre_hooks = root.pre_hooks  # hooks on the result (fully_shard's pre-backward) now fire on this node
     out._grad_fn = node
     return out
+
+
+class _Checkpoint(Node):
+    """The node that stands for a checkpointed function: its backward recomputes and runs the
+    function's nodes, whose hooks may keep the gradients it returns (so never kept uncopied)."""
+
+    __slots__ = ()
+    fresh_outputs = False
 
 
 def checkpoint_sequential(functions: Module | Sequence[Callable[..., Any]], segments: int, input: Any) -> Any:
