@@ -90,11 +90,12 @@ def write_node(world: MPI.Intracomm, members: list[int], mine: list[tuple[int, P
         nonlocal error
         if error is None and run:
             try:  # (joining the run too: a MemoryError must not leave the members sending)
-                offset, _, _ = run[0]
-                rows = sum(p[1][0] for p in run) if len(run) > 1 else run[0][1][0] if run[0][1] else None
-                data = np.concatenate([p[2] for p in run]) if len(run) > 1 else run[0][2]
-                shape = run[0][1] if rows is None else (rows, *run[0][1][1:])
-                write(index, (offset, shape, data))
+                if len(run) == 1:
+                    write(index, run[0])
+                else:  # row-adjacent pieces (``_adjacent``: never 0-d): one hyperslab
+                    offset, shape, _ = run[0]
+                    rows = sum(p[1][0] for p in run)
+                    write(index, (offset, (rows, *shape[1:]), np.concatenate([p[2] for p in run])))
             except Exception as exc:
                 error = exc
 
