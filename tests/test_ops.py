@@ -470,6 +470,33 @@ def test_non_tensor_inputs_raise_type_error(call: Callable[[], Any]) -> None:
         call()
 
 
+@pytest.mark.rank_independent
+@pytest.mark.parametrize("way", ["scipy", "libm"])
+def test_the_erf_kernel_matches_libm(way: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NumPy's erf: SciPy's ufunc where installed (within 3 ulp of libm), else libm per element
+    (exact); the dtype kept (float16 included), an empty array returned as a new empty one."""
+    import math
+
+    from dtorch_mpi.ops import activations
+
+    if way == "scipy":
+        pytest.importorskip("scipy.special")
+        monkeypatch.setattr(activations, "_numpy_erf", activations._choose_numpy_erf())
+    else:
+        monkeypatch.setattr(activations, "_numpy_erf", lambda x: activations._erf_object(x).astype(x.dtype))
+    x = np.concatenate([np.linspace(-7, 7, 2001), [0.0, -0.0, 1e-300, np.inf, -np.inf]])
+    want = np.array([math.erf(v) for v in x])
+    got = activations.erf_kernel(np, x)
+    if way == "libm":
+        assert np.array_equal(got, want)
+    assert np.all(np.abs(got - want) <= 3 * np.spacing(np.abs(want)))
+    assert np.isnan(activations.erf_kernel(np, np.array([np.nan])))[0]
+    for dtype in (np.float16, np.float32):
+        assert activations.erf_kernel(np, x.astype(dtype)).dtype == dtype
+    empty = np.empty((0, 3))
+    assert activations.erf_kernel(np, empty).shape == (0, 3) and activations.erf_kernel(np, empty) is not empty
+
+
 def test_gelu_exact_and_tanh_and_rejects_unknown_keywords(mesh1d: dt.DeviceMesh) -> None:
     import math
 
