@@ -20,7 +20,7 @@ from .registry import Op
 from .tables import MONOTONE, PLAIN, Algebra, unary_signature
 
 SQRT_HALF = 0.7071067811865476
-_erf_object = np.frompyfunc(math.erf, 1, 1)
+_erf_object: Any = np.frompyfunc(math.erf, 1, 1)
 _numpy_erf: Any = None  # chosen on first use (importing scipy.special costs ~0.1 s per process)
 
 
