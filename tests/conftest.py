@@ -20,6 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import dtorch_mpi as dt
+from dtorch_mpi.comm.deadline import wait_request
 from dtorch_mpi.spmd import _allgather_bytes
 
 WORLD = MPI.COMM_WORLD
@@ -96,7 +97,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     mine = report.longreprtext.encode() if report.failed else b""
     flag = np.array([1 if report.failed else 0], dtype=np.int32)
     flags = np.zeros(SIZE, dtype=np.int32)
-    WORLD.Allgather(flag, flags)
+    wait_request(WORLD.Iallgather(flag, flags), "the test's collective verdict")
     if not flags.any():
         return
     texts = _allgather_bytes(WORLD, mine)
