@@ -15,13 +15,15 @@
 # Parallel HDF5 (collective MPI-IO checkpoints) lives in its own venv, built from source
 # against Debian's MPICH and libhdf5-mpich (installed with apt-get when missing, as root), or
 # your cluster's: set PHDF5_MPICC, PHDF5_PKGCONFIG and PHDF5_MPIEXEC. `make test` runs the
-# checkpoint, nn and fault tests on it too; `make test PHDF5=0` skips that stack.
+# checkpoint (sub-mesh layouts included), nn and fault tests on it too; `make test PHDF5=0` skips that stack.
 
 PYTHON   ?= python3
 MPI_WHEEL ?= mpich
 VENV     ?= $(if $(filter mpich,$(MPI_WHEEL)),.venv,.venv-$(or $(MPI_WHEEL),system))
 MPIEXEC  ?= $(if $(MPI_WHEEL),$(VENV)/bin/mpiexec,mpiexec)
 SIZES    ?= 1,2,3,4
+# test runs made side by side while their ranks fit cores + 1 (scripts/run_tests.py --jobs)
+JOBS     ?= 2
 PATHS    ?= auto,variable,padded
 PIP      := $(VENV)/bin/pip
 PY       := $(VENV)/bin/python
@@ -167,7 +169,7 @@ SCALE_ARGS :=
 endif
 
 test: $(TEST_DEPS)
-	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS) $(EMULATED_ARGS) $(SCALE_ARGS)
+	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --jobs $(JOBS) --sizes $(SIZES) --paths $(PATHS) $(PHDF5_ARGS) $(EMULATED_ARGS) $(SCALE_ARGS)
 
 test-gpu-emulated: $(STAMP)
 	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --only-extra \
@@ -175,7 +177,7 @@ test-gpu-emulated: $(STAMP)
 
 test-phdf5: $(PHDF5_STAMP)
 	$(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
-	  tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py
+	  tests/test_checkpoint.py tests/test_checkpoint_layouts.py tests/test_nn.py tests/test_faults.py
 
 test-slurm: $(STAMP)
 	DTORCH_PYTHON=$(abspath $(PY)) bash scripts/slurm/test_slurm.sh

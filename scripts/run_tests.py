@@ -12,6 +12,12 @@ verdicts are every rank's). Every run is bounded (``--run-timeout``); a hung run
 run that exits non-zero without a report (or without a failure in it) counts one failure.
 The last line is the total over all runs, ``total: N passed, N failed, N skipped``.
 
+With ``--jobs 2`` (``make test``) runs are made side by side while their ranks fit
+``--rank-budget`` (cores + 1): in practice the 1-process run beside the 2-rank runs. The
+1-process run holds the tests that launch their own mpiexec jobs and wait for deadlines, so it
+leaves a core mostly idle; a run of 3 or more ranks runs alone. Each run's output goes to
+``.mpi-logs/<run>/output.txt`` and is printed whole when the run ends.
+
 Runs write bytecode caches even where ``PYTHONDONTWRITEBYTECODE`` is set (it is dropped from the
 runs' environment unless a pass sets it): without them every rank of every run compiled the
 library and pytest rewrote every test module's asserts anew, about a second of CPU per process
@@ -124,26 +130,37 @@ def report_counts(path: str) -> dict[str, int] | None:
     return got
 
 
-def run(cmd: list[str], env: dict[str, str], limit: int) -> int:
-    """Run ``cmd`` with its output passed through; killed (exit 124) after ``limit`` seconds."""
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    assert proc.stdout is not None
-    try:
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            if time.monotonic() - start > limit:
-                raise subprocess.TimeoutExpired(cmd, limit)
-        return proc.wait(timeout=max(1, limit - (time.monotonic() - start)))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        print(f"!!! run exceeded {limit}s and was killed", flush=True)
-        return 124
+def next_run(weights: list[int], running: list[int], budget: int, jobs: int) -> int | None:
+    """Which waiting run to start now (an index into ``weights``, the waiting runs' rank counts
+    in plan order), given the rank counts ``running``: the first that keeps the ranks running
+    within ``budget``, at most ``jobs`` runs at once; with nothing running, the first waiting
+    one whatever its size (a 4-rank run on 2 cores runs alone). None: wait."""
+    if not weights:
+        return None
+    if not running:
+        return 0
+    if len(running) >= jobs:
+        return None
+    room = budget - sum(running)
+    return next((i for i, w in enumerate(weights) if w <= room), None)
 
 
-def run_one(spec: Pass, path: str, size: int, first_path: bool, extra: list[str], limit: int) -> Result:
+@dataclass
+class Started:
+    """A run in progress: its process, output file and start time."""
+
+    index: int
+    label: str
+    proc: subprocess.Popen[bytes]
+    log: str
+    start: float
+    limit: int
+
+
+def start_run(index: int, spec: Pass, path: str, size: int, first_path: bool, extra: list[str],
+              limit: int) -> Started:
+    """Start one run, its output going to ``.mpi-logs/<run>/output.txt`` (printed when it ends,
+    so runs made side by side never interleave their lines)."""
     label = f"{spec.name} {path} n={size}"
     logdir = os.path.join(ROOT, ".mpi-logs", f"{spec.name}-{path}-n{size}")
     os.makedirs(logdir, exist_ok=True)
@@ -160,13 +177,50 @@ def run_one(spec: Pass, path: str, size: int, first_path: bool, extra: list[str]
         pytest_cmd.append("--skip-path-independent")
     cmd = pytest_cmd if size == 1 else [*shlex.split(spec.mpiexec), "-n", str(size),
                                         os.path.join(ROOT, "tests", "rank_wrapper.sh"), *pytest_cmd, "--with-mpi"]
-    print(f"\n=== {' '.join(shlex.quote(c) for c in cmd)}  [DTORCH_COMM_PATH={path}]", flush=True)
-    start = time.monotonic()
-    rc = run(cmd, env, limit)
-    seconds = time.monotonic() - start
+    log = os.path.join(logdir, "output.txt")
+    print(f"=== start {label}: {' '.join(shlex.quote(c) for c in cmd)}  [DTORCH_COMM_PATH={path}]", flush=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return Started(index, label, proc, log, time.monotonic(), limit)
+
+
+def finish_run(run: Started, rc: int) -> Result:
+    """Print the run's output and read its report."""
+    seconds = time.monotonic() - run.start
+    with open(run.log, errors="replace") as fh:
+        sys.stdout.write(f"\n=== {run.label}\n" + fh.read())
+    if rc == 124:
+        print(f"!!! run exceeded {run.limit}s and was killed", flush=True)
     print(f"=== exit {rc} after {seconds:.1f}s", flush=True)
-    got = report_counts(junit)
-    return Result(label, rc, seconds, got or dict.fromkeys(KEYS, 0), got is not None)
+    got = report_counts(os.path.join(os.path.dirname(run.log), "junit.xml"))
+    return Result(run.label, rc, seconds, got or dict.fromkeys(KEYS, 0), got is not None)
+
+
+def run_all(runs: list[tuple[Pass, str, int, bool]], extra: list[str], limit: int, budget: int,
+            jobs: int) -> list[Result]:
+    """Make every run, side by side where ``next_run`` lets them (each bounded by ``limit``
+    seconds: a run past it is killed, exit 124); results in plan order."""
+    waiting = list(range(len(runs)))
+    running: list[Started] = []
+    results: dict[int, Result] = {}
+    while waiting or running:
+        while True:
+            pick = next_run([runs[i][2] for i in waiting], [runs[r.index][2] for r in running], budget, jobs)
+            if pick is None:
+                break
+            i = waiting.pop(pick)
+            running.append(start_run(i, *runs[i], extra, limit))
+        time.sleep(0.1)
+        for run in list(running):
+            rc = run.proc.poll()
+            if rc is None and time.monotonic() - run.start > run.limit:
+                os.killpg(run.proc.pid, 9)
+                run.proc.wait()
+                rc = 124
+            if rc is not None:
+                running.remove(run)
+                results[run.index] = finish_run(run, rc)
+    return [results[i] for i in range(len(runs))]
 
 
 def main() -> int:
@@ -177,9 +231,15 @@ def main() -> int:
     ap.add_argument("--other-path-sizes", default="2,4",
                     help="world sizes at which the paths after the first run (of those in --sizes)")
     ap.add_argument("--run-timeout", type=int, default=900)
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="runs made side by side at most (2: the 1-process run, whose launched jobs mostly wait "
+                         "for deadlines, beside the 2-rank runs)")
+    ap.add_argument("--rank-budget", type=int, default=(os.cpu_count() or 1) + 1,
+                    help="ranks of the runs made side by side at most (a run alone may have more)")
     ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
     ap.add_argument("--phdf5-mpiexec", default="mpiexec", help="the parallel-HDF5 stack's launcher")
-    ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_nn.py tests/test_faults.py")
+    ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_checkpoint_layouts.py tests/test_nn.py "
+                                           "tests/test_faults.py")
     ap.add_argument("--phdf5-sizes", default="1,2,4",
                     help="world sizes of the parallel-HDF5 pass (of those in --sizes): uneven pieces at 4 already, "
                          "and its MPI-IO collectives spin, so each oversubscribed size costs a minute")
@@ -199,8 +259,8 @@ def main() -> int:
     if args.only_extra:
         passes = passes[1 + bool(args.phdf5_python):]
 
-    results = [run_one(spec, path, size, first, args.pytest_args, args.run_timeout)
-               for spec, path, size, first in plan(passes, {int(s) for s in args.other_path_sizes.split(",")})]
+    runs = plan(passes, {int(s) for s in args.other_path_sizes.split(",")})
+    results = run_all(runs, args.pytest_args, args.run_timeout, args.rank_budget, args.jobs)
 
     total = dict.fromkeys(KEYS, 0)
     bad_runs = []

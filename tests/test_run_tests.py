@@ -32,6 +32,17 @@ def test_plan_runs_one_process_once_and_marks_the_first_path() -> None:
     assert every == [("variable", 2), ("variable", 3), ("variable", 4), ("padded", 2), ("padded", 3), ("padded", 4)]
 
 
+def test_runs_side_by_side_only_while_their_ranks_fit() -> None:
+    pick = run_tests.next_run
+    assert pick([], [], 3, 2) is None
+    assert pick([4, 1], [], 3, 2) == 0  # nothing running: the next run, whatever its size
+    assert pick([2, 1], [1], 3, 2) == 0  # beside the 1-process run: a 2-rank run fits
+    assert pick([3, 4, 2], [1], 3, 2) == 2  # the first that fits, not the first in the plan
+    assert pick([1], [2], 3, 1) is None  # --jobs 1: one at a time
+    assert pick([1], [1, 1], 3, 2) is None  # two running already
+    assert pick([2, 3], [2], 3, 2) is None  # nothing fits beside a 2-rank run but a 1-process one
+
+
 def test_extra_pass_specs() -> None:
     spec = run_tests.parse_pass("emu sizes=1,2 paths=auto env=DTORCH_SEED=1 env=Y=a=b tests=tests/a.py,tests/b.py", PIP)
     assert (spec.name, spec.python, spec.mpiexec, spec.sizes, spec.paths, spec.tests, spec.env) == (
