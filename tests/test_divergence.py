@@ -21,7 +21,7 @@ from mpi4py import MPI
 from mpi_launch import child_env, mpiexec
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import prologue
+from dtorch_mpi.comm import divergence
 from dtorch_mpi.comm.divergence import CHECK_FROM
 from dtorch_mpi.nn import Parameter
 from dtorch_mpi.nn.utils import clip_grad_norm_, reduce_gradients
@@ -132,8 +132,8 @@ def test_the_default_check_runs_from_64_kib_only(mesh1d: dt.DeviceMesh, mesh2d: 
     """Below 64 KiB on every rank no check runs (it costs the count of the call only); from 64 KiB
     every collective is checked once, on every rank alike (uneven pieces: the size is group-wide)."""
     checks: list[int] = []
-    real = prologue.compare
-    monkeypatch.setattr(prologue, "compare", lambda *a: (checks.append(a[2]), real(*a))[1])
+    real = divergence.Twin.start  # every check on a twin starts here (overlapped or not)
+    monkeypatch.setattr(divergence.Twin, "start", lambda twin, fp: (checks.append(fp), real(twin, fp))[1])
     below = (16, EDGE[1] - 1)
     for shape, want in ((below, 0), (EDGE, 1), (BIG, 1)):
         x = dt.distribute_tensor(np.ones(shape), mesh1d, [S0])

@@ -36,25 +36,128 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
-from .deadline import wait_request
+from ..errors import CollectiveTimeoutError
+from .deadline import wait_request, watch
 from .group import Group
+from .work import _ABANDONED, _InFlight
 
 CHECK_FROM = 64 << 10
 """Group-wide bytes from which the default check runs (SPEC 5: 64 KiB)."""
 
 
-class Twin:
-    """A communicator's check twin and the count of collectives started on the original."""
+class _Mismatch(Exception):
+    """Raised out of a watched data wait (:meth:`Twin.poll`): the check completed and the calls
+    differ, so the wait stops and its request is abandoned (``work.waited``)."""
 
-    __slots__ = ("comm", "seq")
+
+_RETIRED: list[MPI.Intracomm] = []
+"""Data communicators replaced after a divergence: requests abandoned on them may still be
+progressed by MPI, so they are never freed."""
+
+
+def _data_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """``comm`` (a fresh duplicate) set to return MPI errors as exceptions: a mismatched data
+    call's error (a truncated message) must reach the check's verdict, not abort the job."""
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm
+
+
+class Twin:
+    """What the divergence check keeps per library communicator: ``comm``, the check twin (a
+    ``Dup`` carrying only checks); ``data``, a second ``Dup`` on which the calls the default
+    check covers move their data (backends with ``overlaps_check``: :func:`data_group`);
+    ``seq``, the count of collectives started on the original communicator; and the check's
+    buffer (its 2 int64 and the 2 of the result) with its request: one persistent all-reduce
+    (``MPI_Allreduce_init``, started per check: a third of an ``Iallreduce``'s cost) where MPI
+    has them, else an ``Iallreduce`` per check. Every check on a twin takes the same form on
+    every rank (a persistent collective matches only its own starts)."""
+
+    __slots__ = ("comm", "data", "seq", "_groups", "_buf", "_request", "_pending")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
-        self.comm = comm
+        self.comm = comm.Dup()
+        self.data = _data_comm(comm.Dup())
         self.seq = 0
+        self._groups: dict[int | None, Group] = {}
+        self._buf = np.zeros(4, dtype=np.int64)
+        self._request: MPI.Prequest | None
+        try:
+            self._request = self.comm.Allreduce_init(self._buf[:2], self._buf[2:], op=MPI.MIN)
+        except (NotImplementedError, MPI.Exception):  # an MPI before 4.0: the same on every rank
+            self._request = None
+        self._pending: MPI.Request = MPI.REQUEST_NULL
+
+    def data_group(self, group: Group) -> Group:
+        """``group`` on the data communicator (one ``Group`` per mesh dim, made once)."""
+        data = self._groups.get(group.mesh_dim)
+        if data is None:
+            data = self._groups[group.mesh_dim] = Group(self.data, group.mesh_dim)
+        return data
+
+    def start(self, fp: int) -> None:
+        """Start comparing ``fp`` across the group: the least ``fp`` and the least ``-fp``."""
+        buf = self._buf
+        buf[0] = fp
+        buf[1] = -fp
+        if self._request is not None:
+            self._request.Start()
+            self._pending = self._request
+        else:
+            self._pending = self.comm.Iallreduce(buf[:2], buf[2:], op=MPI.MIN)
+
+    def agreed(self) -> bool:
+        """The completed check's verdict: every rank's ``fp`` the same."""
+        return bool(self._buf.item(2) == -self._buf.item(3))
+
+    def settle(self) -> bool:
+        """Wait for the started check (under the deadline; abandoned if it times out) and return
+        its verdict."""
+        try:
+            wait_request(self._pending, "the SPMD divergence check (Allreduce)")
+        except BaseException:
+            self.abandon()
+            raise
+        return self.agreed()
+
+    def poll(self) -> None:
+        """The watch of a data wait the check overlaps (``deadline.watch``): once the check has
+        completed, stop watching, and raise :class:`_Mismatch` if the calls differ."""
+        if self._pending.Test():
+            watch(None)
+            if not self.agreed():
+                raise _Mismatch
+
+    def abandon(self) -> None:
+        """The started check will not complete: MPI may still write into its buffer, which is
+        kept for good (``work._ABANDONED``, as a timed-out request's), and later checks on this
+        twin use fresh buffers and ``Iallreduce`` (the communicator is unusable after a timeout:
+        the others' next check is the persistent one)."""
+        _ABANDONED.append(_InFlight(self._pending, (self._buf,)))
+        self._pending = MPI.REQUEST_NULL
+        self._request = None
+        self._buf = np.zeros(4, dtype=np.int64)
+
+    def renew_data(self) -> None:
+        """After a divergence (every rank of the group is here, having seen the same verdict):
+        the data communicator may hold abandoned requests and messages no call will receive,
+        so it is replaced by a fresh duplicate of the check twin (``MPI_Comm_idup``, under the
+        deadline), the old one kept unfreed (:data:`_RETIRED`)."""
+        _RETIRED.append(self.data)
+        data, request = self.comm.Idup()
+        wait_request(request, "the SPMD divergence check (a new data communicator: MPI_Comm_idup)")
+        self.data = _data_comm(data)
+        self._groups.clear()
+
+    def free(self) -> None:
+        if self._request is not None:
+            self._request.Free()
+        self.comm.Free()
+        self.data.Free()
 
 
 _TWINS: dict[int, Twin] = {}
@@ -64,16 +167,17 @@ _context: Callable[[], str] | None = None
 
 
 def attach(comm: MPI.Intracomm) -> None:
-    """Give ``comm`` its check twin (collective over ``comm``; a group of one needs none)."""
+    """Give ``comm`` its check twin and data communicator (collective over ``comm``; a group of
+    one needs neither)."""
     if comm != MPI.COMM_NULL and comm.Get_size() > 1:
-        _TWINS[id(comm)] = Twin(comm.Dup())
+        _TWINS[id(comm)] = Twin(comm)
 
 
 def detach(comm: MPI.Intracomm) -> None:
     """Free ``comm``'s twin (collective, where the mesh frees ``comm``)."""
     twin = _TWINS.pop(id(comm), None)
     if twin is not None:
-        twin.comm.Free()
+        twin.free()
 
 
 def twin_of(comm: MPI.Intracomm) -> Twin | None:
@@ -133,26 +237,81 @@ def fingerprint(parts: tuple[object, ...]) -> int:
 
 
 _MINE = np.empty(2, dtype=np.int64)
-_LOW = np.empty(2, dtype=np.int64)  # reused: a check is waited before the next one starts
+_LOW = np.empty(2, dtype=np.int64)  # a communicator without a twin: waited before the next check
 
 
-def compare(group: Group, comm: MPI.Intracomm, fp: int, describe: Callable[[], str]) -> None:
-    """Every rank of ``group`` makes the call fingerprinted ``fp`` (checked on ``comm``, the
-    twin), or every rank raises ``SPMDDivergenceError`` naming each rank's call (``describe()``,
-    built only then)."""
+def compare(group: Group, twin: Twin | None, fp: int, describe: Callable[[], str]) -> None:
+    """Every rank of ``group`` makes the call fingerprinted ``fp`` (checked on ``twin``, or on
+    ``group.comm`` itself for a communicator the library did not build), or every rank raises
+    ``SPMDDivergenceError`` naming each rank's call (``describe()``, built only then). The
+    synchronous check: nothing of the call has moved yet."""
+    if twin is not None:
+        twin.start(fp)
+        if not twin.settle():
+            diverged(group, twin.comm, twin, describe)
+        return
     _MINE[0] = fp
     _MINE[1] = -fp
-    wait_request(comm.Iallreduce(_MINE, _LOW, op=MPI.MIN), "the SPMD divergence check (Allreduce)")
-    if _LOW[0] == -_LOW[1]:
-        return
+    wait_request(group.comm.Iallreduce(_MINE, _LOW, op=MPI.MIN), "the SPMD divergence check (Allreduce)")
+    if _LOW[0] != -_LOW[1]:
+        diverged(group, group.comm, None, describe)
+
+
+def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], start: Callable[..., Any],
+               args: tuple[Any, ...]) -> Any:
+    """The default check overlapping a blocking data call: start the check, then the data call
+    ``start(*args)`` (moving on ``twin.data``; it waits for its request, watching the check),
+    then wait for the verdict before returning ``start``'s handle. A verdict of different calls
+    while the data is in flight ends the data wait at once (its request abandoned); every rank
+    raises ``SPMDDivergenceError``. No data is returned before every rank's fingerprint has been
+    compared."""
+    twin.start(fp)
+    watch(twin.poll)
+    try:
+        handle = start(*args)
+    except _Mismatch:  # (the watch is off: the poll that raised turned it off)
+        diverged(group, twin.comm, twin, describe)
+    except BaseException as exc:
+        watch(None)
+        _failed(twin, group, describe, exc)
+    watch(None)
+    if not twin.settle():
+        diverged(group, twin.comm, twin, describe)
+    return handle
+
+
+def _failed(twin: Twin, group: Group, describe: Callable[[], str], exc: BaseException) -> NoReturn:
+    """The overlapped data call raised ``exc``: the check tells whether the calls differed (a
+    mismatched data call may end in an MPI error, a truncated message), raising
+    ``SPMDDivergenceError`` then and ``exc`` otherwise. A data wait that timed out (or was
+    interrupted) already waited for the check as long as the deadline: one last look, then the
+    check is abandoned with it."""
+    if isinstance(exc, CollectiveTimeoutError) or not isinstance(exc, Exception):
+        if not twin._pending.Test():
+            twin.abandon()
+            raise exc
+        same = twin.agreed()
+    else:
+        same = twin.settle()
+    if not same:
+        diverged(group, twin.comm, twin, describe, exc)
+    raise exc
+
+
+def diverged(group: Group, comm: MPI.Intracomm, twin: Twin | None, describe: Callable[[], str],
+             cause: BaseException | None = None) -> NoReturn:
+    """The check found different calls (every rank of the group is here): exchange the calls'
+    texts on ``comm``, give ``twin`` a fresh data communicator, and raise."""
     from ..errors import SPMDDivergenceError
     from ..spmd import _allgather_bytes
 
     calls = [r.decode(errors="replace") for r in _allgather_bytes(comm, describe().encode())]
+    if twin is not None:
+        twin.renew_data()
     dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
     raise SPMDDivergenceError(
         f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"
         + "\n".join(f"  group rank {r}: {c}" for r, c in enumerate(calls))
         + "\nEvery rank must run the same sequence of collective operations (#n: the call's number "
         "on its communicator; checked by default from 64 KiB, every call with DTORCH_SPMD_DEBUG=1)."
-    )
+    ) from cause

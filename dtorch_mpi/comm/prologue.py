@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import counter
 from .config import spmd_check, spmd_debug
-from .divergence import _TWINS, CHECK_FROM, compare, current_context, fingerprint, twin_of, user_site
+from .divergence import _TWINS, CHECK_FROM, Twin, compare, current_context, fingerprint, overlapped, user_site
 from .group import Group
 from .layout import by_identity
 from .work import collective_starting, completed
@@ -36,15 +36,6 @@ if TYPE_CHECKING:
     from .backend import Backend, Handle
 
 _NO_FACTS: dict[str, Any] = {}  # the hot path builds no description
-
-
-def check_same_call(group: Group, fp: int, describe: Callable[[], str]) -> None:
-    """All ranks of ``group`` must be making the call fingerprinted ``fp`` (compared on the
-    communicator's check twin, or on ``group.comm`` itself for one the library did not build)."""
-    if group.size == 1:
-        return
-    twin = twin_of(group.comm)
-    compare(group, group.comm if twin is None else twin.comm, fp, describe)
 
 
 def _alone(send: Any, out: Any) -> Handle:
@@ -124,14 +115,14 @@ class Prologued:
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.name = inner.name
+        self.overlaps = bool(getattr(inner, "overlaps_check", False))
 
     def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
         return self.inner.call_for(kind, send, out, facts)
 
-    def _check(self, group: Group, kind: str, shape: tuple[int, ...], send: Any, out: Any,
-               facts: dict[str, Any]) -> None:
-        """Step 3: the call's fingerprint compared across the group (its text only on a mismatch)."""
-        twin = twin_of(group.comm)
+    def _fingerprint(self, group: Group, twin: Twin | None, kind: str, shape: tuple[int, ...], send: Any,
+                     out: Any, facts: dict[str, Any]) -> tuple[int, Callable[[], str]]:
+        """Step 3's fingerprint of the call, and its text (built only on a mismatch)."""
         seq = -1 if twin is None else twin.seq
         context = current_context()
         site = user_site() if spmd_debug() else ""
@@ -144,7 +135,13 @@ class Prologued:
             at = f" at {site}" if site else ""
             return f"{kind}({shape}:{out.dtype}{more}, {self.name}={call}){number}{context}{at}"
 
-        check_same_call(group, fp, describe)
+        return fp, describe
+
+    def _record(self, kind: str, group: Group, send: Any, out: Any, facts: dict[str, Any], async_op: bool,
+                args: tuple[Any, ...]) -> None:
+        """Step 5 (a counter is on)."""
+        sent, recv = _TRAFFIC[kind](*args)
+        counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
 
     def _run(self, group: Group, kind: str, shape: Callable[[], tuple[int, ...]], send: Any, out: Any,
              facts: dict[str, Any], empty: bool, nbytes: int, async_op: bool, start: Callable[..., Handle],
@@ -152,20 +149,40 @@ class Prologued:
         """Steps 2-6 (the caller did step 1): ``start(*args)`` is the backend's method with the
         call's arguments. ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a
         counter can be on (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's
-        group-wide shape and payload bytes."""
+        group-wide shape and payload bytes.
+
+        A call the default check covers (64 KiB or more, on a communicator with a twin) moves its
+        data on the twin's data communicator when the backend ``overlaps_check`` (a function of
+        group-wide facts: the same on every rank for the same call), and the check overlaps the
+        data when the call is blocking and writes no caller's buffer in place (``send is out``:
+        broadcast); otherwise, and in debug mode, the check runs before the data starts."""
         collective_starting()
         twin = _TWINS.get(id(group.comm))
-        if facts is not _NO_FACTS and (spmd_debug() or (twin is not None and nbytes >= CHECK_FROM
-                                                         and spmd_check())):
-            self._check(group, kind, shape(), send, out, facts)
+        check = None
+        if facts is not _NO_FACTS:
+            debug = spmd_debug()
+            default = twin is not None and nbytes >= CHECK_FROM and spmd_check()
+            if default and self.overlaps:
+                assert twin is not None
+                args = (twin.data_group(group), *args[1:])
+                if not (debug or async_op or send is out):
+                    check = self._fingerprint(group, twin, kind, shape(), send, out, facts)
+            if check is None and (default or debug):
+                compare(group, twin, *self._fingerprint(group, twin, kind, shape(), send, out, facts))
         if empty:
             return completed(out)
-        if twin is not None:
+        if check is None:
+            if twin is not None:
+                twin.seq += 1
+            if counter._active:
+                self._record(kind, group, send, out, facts, async_op, args)
+            handle = start(*args)
+        else:  # the check overlaps the data, whose handle comes back finished (blocking)
+            assert twin is not None
+            if counter._active:
+                self._record(kind, group, send, out, facts, async_op, args)
+            handle = overlapped(twin, group, *check, start, args)
             twin.seq += 1
-        if counter._active:
-            sent, recv = _TRAFFIC[kind](*args)
-            counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
-        handle = start(*args)
         if counter.on_started is not None:  # a trace is on (dtorch_mpi/timeline.py)
             handle = counter.on_started(handle, async_op)
         if not async_op:
