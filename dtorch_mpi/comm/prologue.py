@@ -11,7 +11,10 @@ Around every collective, in this order (one definition, the same for every backe
    more, before every call in SPMD debug mode (``DTORCH_SPMD_DEBUG=1``): the group compares
    the call (its number on the communicator, kind, group-wide shape, dtype, sizes, op, the
    backend's own call for them, the caller's context), raising ``SPMDDivergenceError`` on every
-   rank instead of moving data between different calls.
+   rank instead of returning data of different calls. A call the default check covers moves
+   its data on the communicator's data twin when the backend ``overlaps_check``, and if it is
+   blocking and not in place (outside debug mode) the check overlaps its data: started here,
+   its verdict waited for after step 6's wait (which watches it), before anything is returned.
 4. All-empty buffers (a group-wide fact) move nothing; any other call is counted on its
    communicator (the number step 3 compares).
 5. ``counter.record`` once, with the payload bytes of the kind (padding excluded).
@@ -27,7 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 from . import counter
 from .config import spmd_check, spmd_debug
-from .divergence import _TWINS, CHECK_FROM, Twin, compare, current_context, fingerprint, overlapped, user_site
+from .divergence import (
+    _TWINS,
+    CHECK_FROM,
+    Twin,
+    code,
+    compare,
+    current_context,
+    fingerprint,
+    overlapped,
+    user_site,
+)
 from .group import Group
 from .layout import by_identity
 from .work import collective_starting, completed
@@ -57,10 +70,16 @@ def _digest(sizes: tuple[int, ...]) -> int:
     return hash(sizes)  # ints hash alike in every process (no per-process salt)
 
 
-def _long_digest(value: Any) -> Any:
-    """A fact as the fingerprint takes it: a long tuple (every rank's sizes) as its cached hash,
-    so a checked call does not hash O(ranks) integers each time."""
-    return _digest(value) if type(value) is tuple and len(value) > 16 else value
+def _fact(value: Any) -> Any:
+    """A fact as the fingerprint takes it: a string as its :func:`code`, a long tuple (every
+    rank's sizes) as its cached hash, so a checked call does not hash O(ranks) integers each
+    time; anything else as it is."""
+    kind = type(value)
+    if kind is str:
+        return code(value)
+    if kind is tuple and len(value) > 16:
+        return _digest(value)
+    return value
 
 
 def _others(shape: Sequence[int], *axes: int) -> int:
@@ -126,7 +145,7 @@ class Prologued:
         seq = -1 if twin is None else twin.seq
         context = current_context()
         site = user_site() if spmd_debug() else ""
-        fp = fingerprint((seq, kind, shape, out.dtype.str, *map(_long_digest, facts.values()), context, site))
+        fp = fingerprint(seq, kind, shape, out.dtype.str, map(_fact, facts.values()), context, site)
 
         def describe() -> str:
             call, _ = self.inner.call_for(kind, send, out, facts)
