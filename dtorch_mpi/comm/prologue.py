@@ -34,7 +34,6 @@ from .divergence import (
     _TWINS,
     CHECK_FROM,
     Twin,
-    code,
     compare,
     current_context,
     fingerprint,
@@ -70,16 +69,10 @@ def _digest(sizes: tuple[int, ...]) -> int:
     return hash(sizes)  # ints hash alike in every process (no per-process salt)
 
 
-def _fact(value: Any) -> Any:
-    """A fact as the fingerprint takes it: a string as its :func:`code`, a long tuple (every
-    rank's sizes) as its cached hash, so a checked call does not hash O(ranks) integers each
-    time; anything else as it is."""
-    kind = type(value)
-    if kind is str:
-        return code(value)
-    if kind is tuple and len(value) > 16:
-        return _digest(value)
-    return value
+def _long_digest(value: Any) -> Any:
+    """A fact as the fingerprint takes it: a long tuple (every rank's sizes) as its cached hash,
+    so a checked call does not hash O(ranks) integers each time."""
+    return _digest(value) if type(value) is tuple and len(value) > 16 else value
 
 
 def _others(shape: Sequence[int], *axes: int) -> int:
@@ -145,7 +138,7 @@ class Prologued:
         seq = -1 if twin is None else twin.seq
         context = current_context()
         site = user_site() if spmd_debug() else ""
-        fp = fingerprint(seq, kind, shape, out.dtype.str, map(_fact, facts.values()), context, site)
+        fp = fingerprint(seq, (kind, shape, out.dtype, *map(_long_digest, facts.values())), context, site)
 
         def describe() -> str:
             call, _ = self.inner.call_for(kind, send, out, facts)
