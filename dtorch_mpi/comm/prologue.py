@@ -33,6 +33,7 @@ from .config import spmd_check, spmd_debug
 from .divergence import (
     _TWINS,
     CHECK_FROM,
+    OVERLAP,
     Twin,
     compare,
     current_context,
@@ -127,7 +128,7 @@ class Prologued:
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.name = inner.name
-        self.overlaps = bool(getattr(inner, "overlaps_check", False))
+        self.overlaps = bool(getattr(inner, "overlaps_check", False)) and OVERLAP
 
     def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
         return self.inner.call_for(kind, send, out, facts)
