@@ -17,8 +17,10 @@ as fast as MPICH 5's blocking ones or faster (``Allgatherv`` 2-3.5x faster at 1-
 ``Alltoallv`` 1.3-1.7x; docs/performance.md).
 
 A wait may watch a second request (:func:`watch`): the divergence check that overlaps a
-blocking data call (comm/divergence.py). It is polled with each clock read (every 16 polls), so
-the hot loop is unchanged, and it ends the wait by raising (the check found the calls differ).
+blocking data call (comm/divergence.py). It is polled before each nap, once the wait has spun
+for ``DTORCH_WAIT_SPIN``, so a wait that ends while it spins pays nothing for it (the caller
+takes the verdict after the data), and it ends the wait by raising (the check found the calls
+differ: the data may never complete).
 """
 
 from __future__ import annotations
@@ -74,9 +76,9 @@ _watch: Callable[[], None] | None = None
 
 
 def watch(poll: Callable[[], None] | None) -> None:
-    """While set, every wait calls ``poll()`` with each clock read; ``poll`` raises to end the
-    wait (the caller abandons the request it waited for) and calls ``watch(None)`` once there
-    is nothing more to watch. Set only around one blocking data call (comm/divergence.py)."""
+    """While set, every wait calls ``poll()`` before each nap (after its spin); ``poll`` raises to
+    end the wait (the caller abandons the request it waited for) and calls ``watch(None)`` once
+    there is nothing more to watch. Set only around one blocking data call (comm/divergence.py)."""
     global _watch
     _watch = poll
 
@@ -96,8 +98,6 @@ def wait_request(request: MPI.Request, what: str) -> None:
         polls += 1
         if polls % _POLLS_PER_CHECK:
             continue
-        if _watch is not None:
-            _watch()
         waited = time.monotonic() - start
         if limit > 0 and waited > limit:
             raise CollectiveTimeoutError(
@@ -109,5 +109,7 @@ def wait_request(request: MPI.Request, what: str) -> None:
         if waited < spin:
             os.sched_yield()  # let a peer rank sharing this core run (blocking MPI waits yield too)
         else:
+            if _watch is not None:
+                _watch()
             nap = next_nap(nap, waited)
             time.sleep(nap)

@@ -29,7 +29,7 @@ libnbc crashes after one), every other call on the communicator itself: a functi
 for matching programs each communicator sees the same calls in the same order on every rank.
 A blocking such call that writes no caller's buffer in place (not ``send is out``: broadcast),
 outside debug mode, starts its check, then its data (:func:`overlapped`), and waits for the
-data while watching the check (``deadline.watch``: polled with each clock read of the wait);
+data while watching the check (``deadline.watch``: polled before each nap of the wait);
 a verdict of different calls ends that wait at once, the data request abandoned (its buffers
 kept for good in ``work._ABANDONED``, as a timed-out request's, and never tested again); after
 the data completes the verdict is waited for before anything is returned, and a data call that
@@ -324,9 +324,10 @@ def compare(group: Group, twin: Twin | None, fp: int, describe: Callable[[], str
 
 
 def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], start: Callable[..., Any],
-               args: tuple[Any, ...]) -> Any:
+               moves: Group, args: tuple[Any, ...]) -> Any:
     """The default check overlapping a blocking data call: start the check, then the data call
-    ``start(*args)`` (moving on ``twin.data``; it waits for its request, watching the check),
+    ``start(moves, *args)`` (``moves``: ``group`` on ``twin.data``; it waits for its request,
+    watching the check),
     then wait for the verdict before returning ``start``'s handle. A verdict of different calls
     while the data is in flight ends the data wait at once (its request abandoned); every rank
     raises ``SPMDDivergenceError``. No data is returned before every rank's fingerprint has been
@@ -334,7 +335,7 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], s
     twin.start(fp)
     watch(twin.poll)
     try:
-        handle = start(*args)
+        handle = start(moves, *args)
     except _Mismatch:  # (the watch is off: the poll that raised turned it off)
         diverged(group, twin.comm, twin, describe)
     except BaseException as exc:

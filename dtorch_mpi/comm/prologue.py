@@ -134,33 +134,37 @@ class Prologued:
         return self.inner.call_for(kind, send, out, facts)
 
     def _fingerprint(self, group: Group, twin: Twin | None, kind: str, shape: tuple[int, ...], send: Any,
-                     out: Any, facts: dict[str, Any]) -> tuple[int, Callable[[], str]]:
+                     out: Any, facts: dict[str, Any], debug: bool) -> tuple[int, Callable[[], str]]:
         """Step 3's fingerprint of the call, and its text (built only on a mismatch)."""
         seq = -1 if twin is None else twin.seq
         context = current_context()
-        site = user_site() if spmd_debug() else ""
-        fp = fingerprint(seq, (kind, shape, out.dtype, *map(_long_digest, facts.values())), context, site)
+        site = user_site() if debug else ""
+        if group.size <= 16:  # every size tuple is one entry per rank: short, hashed as it is
+            call = (kind, shape, out.dtype, *facts.values())
+        else:
+            call = (kind, shape, out.dtype, *map(_long_digest, facts.values()))
+        fp = fingerprint(seq, call, context, site)
 
         def describe() -> str:
-            call, _ = self.inner.call_for(kind, send, out, facts)
+            name, _ = self.inner.call_for(kind, send, out, facts)
             more = "".join(f", {k}={v}" for k, v in facts.items())
             number = "" if twin is None else f" #{seq}"
             at = f" at {site}" if site else ""
-            return f"{kind}({shape}:{out.dtype}{more}, {self.name}={call}){number}{context}{at}"
+            return f"{kind}({shape}:{out.dtype}{more}, {self.name}={name}){number}{context}{at}"
 
         return fp, describe
 
     def _record(self, kind: str, group: Group, send: Any, out: Any, facts: dict[str, Any], async_op: bool,
                 args: tuple[Any, ...]) -> None:
         """Step 5 (a counter is on)."""
-        sent, recv = _TRAFFIC[kind](*args)
+        sent, recv = _TRAFFIC[kind](group, *args)
         counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
 
     def _run(self, group: Group, kind: str, shape: Callable[[], tuple[int, ...]], send: Any, out: Any,
              facts: dict[str, Any], empty: bool, nbytes: int, async_op: bool, start: Callable[..., Handle],
              *args: Any) -> Handle:
-        """Steps 2-6 (the caller did step 1): ``start(*args)`` is the backend's method with the
-        call's arguments. ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a
+        """Steps 2-6 (the caller did step 1): ``start(group, *args)`` is the backend's method with
+        the call's arguments. ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a
         counter can be on (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's
         group-wide shape and payload bytes.
 
@@ -171,31 +175,31 @@ class Prologued:
         broadcast); otherwise, and in debug mode, the check runs before the data starts."""
         collective_starting()
         twin = _TWINS.get(id(group.comm))
-        check = None
+        moves = group  # the group the data moves on
+        overlap = False
         if facts is not _NO_FACTS:
             debug = spmd_debug()
             default = twin is not None and nbytes >= CHECK_FROM and spmd_check()
-            if default and self.overlaps:
-                assert twin is not None
-                args = (twin.data_group(group), *args[1:])
-                if not (debug or async_op or send is out):
-                    check = self._fingerprint(group, twin, kind, shape(), send, out, facts)
-            if check is None and (default or debug):
-                compare(group, twin, *self._fingerprint(group, twin, kind, shape(), send, out, facts))
+            if default or debug:
+                if default and self.overlaps:
+                    assert twin is not None
+                    moves = twin.data_group(group)
+                    overlap = not (debug or async_op or send is out)
+                fp, describe = self._fingerprint(group, twin, kind, shape(), send, out, facts, debug)
+                if not overlap:
+                    compare(group, twin, fp, describe)
         if empty:
             return completed(out)
-        if check is None:
-            if twin is not None:
-                twin.seq += 1
-            if counter._active:
-                self._record(kind, group, send, out, facts, async_op, args)
-            handle = start(*args)
-        else:  # the check overlaps the data, whose handle comes back finished (blocking)
-            assert twin is not None
-            if counter._active:
-                self._record(kind, group, send, out, facts, async_op, args)
-            handle = overlapped(twin, group, *check, start, args)
+        if twin is not None and not overlap:
             twin.seq += 1
+        if counter._active:
+            self._record(kind, group, send, out, facts, async_op, args)
+        if overlap:  # the check overlaps the data, whose handle comes back finished (blocking)
+            assert twin is not None
+            handle = overlapped(twin, group, fp, describe, start, moves, args)
+            twin.seq += 1
+        else:
+            handle = start(moves, *args)
         if counter.on_started is not None:  # a trace is on (dtorch_mpi/timeline.py)
             handle = counter.on_started(handle, async_op)
         if not async_op:
@@ -209,7 +213,7 @@ class Prologued:
         nbytes = out.nbytes
         facts = {"axis": axis, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "all_gather", lambda: out.shape, send, out, facts, out.size == 0, nbytes,
-                         async_op, self.inner.all_gather, group, send, out, axis, sizes, async_op)
+                         async_op, self.inner.all_gather, send, out, axis, sizes, async_op)
 
     def all_to_all(self, group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
                    concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Handle:
@@ -224,7 +228,7 @@ class Prologued:
         empty = not send.size and not nbytes
         return self._run(group, "all_to_all", lambda: _with(send.shape, concat_axis, _total(concat_sizes)), send, out,
                          facts, empty, nbytes, async_op, self.inner.all_to_all,
-                         group, send, out, split_axis, split_sizes, concat_axis, concat_sizes, async_op)
+                         send, out, split_axis, split_sizes, concat_axis, concat_sizes, async_op)
 
     def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False) -> Handle:
         if group.size == 1:
@@ -232,7 +236,7 @@ class Prologued:
         nbytes = out.nbytes
         facts = {"op": reduce_op} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "all_reduce", lambda: out.shape, send, out, facts, out.size == 0, nbytes,
-                         async_op, self.inner.all_reduce, group, send, out, reduce_op, async_op)
+                         async_op, self.inner.all_reduce, send, out, reduce_op, async_op)
 
     def reduce_scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
                        reduce_op: str, async_op: bool = False) -> Handle:
@@ -241,7 +245,7 @@ class Prologued:
         nbytes = send.nbytes
         facts = {"axis": axis, "op": reduce_op, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "reduce_scatter", lambda: send.shape, send, out, facts, send.size == 0, nbytes,
-                         async_op, self.inner.reduce_scatter, group, send, out, axis, sizes, reduce_op, async_op)
+                         async_op, self.inner.reduce_scatter, send, out, axis, sizes, reduce_op, async_op)
 
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Handle:
         if group.size == 1:
@@ -249,7 +253,7 @@ class Prologued:
         nbytes = buf.nbytes
         facts = {"root": root} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "broadcast", lambda: buf.shape, buf, buf, facts, buf.size == 0, nbytes,
-                         async_op, self.inner.broadcast, group, buf, root, async_op)
+                         async_op, self.inner.broadcast, buf, root, async_op)
 
     def scatter(self, group: Group, send: Any | None, out: Any, axis: int, sizes: Sequence[int], root: int,
                 async_op: bool = False) -> Handle:
@@ -258,7 +262,7 @@ class Prologued:
         nbytes = out.itemsize * _total(sizes) * _others(out.shape, axis)
         facts = {"axis": axis, "root": root, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "scatter", lambda: _with(out.shape, axis, _total(sizes)), send, out, facts,
-                         not nbytes, nbytes, async_op, self.inner.scatter, group, send, out, axis, sizes, root, async_op)
+                         not nbytes, nbytes, async_op, self.inner.scatter, send, out, axis, sizes, root, async_op)
 
     def exchange(self, group: Group, send: Any, out: Any, layout: Any, shared: tuple[Any, ...] = (),
                  async_op: bool = False) -> Handle:
@@ -273,4 +277,4 @@ class Prologued:
         nbytes = out.itemsize * prod(shape)
         facts = ({"src": shared[1], "dst": shared[2]} if shared else {}) if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "exchange", lambda: shape, send, out, facts, False, nbytes,
-                         async_op, self.inner.exchange, group, send, out, layout, async_op)  # type: ignore[attr-defined]
+                         async_op, self.inner.exchange, send, out, layout, async_op)  # type: ignore[attr-defined]
