@@ -82,7 +82,11 @@ def _others(shape: Sequence[int], *axes: int) -> int:
 
 
 def _with(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
-    return tuple(n if i == axis else d for i, d in enumerate(shape))
+    """``shape`` with ``n`` at ``axis`` (a list edit: a generator over the dims cost 0.8 us of
+    a checked all-to-all's 2.3 us of Python)."""
+    dims = list(shape)
+    dims[axis] = n
+    return tuple(dims)
 
 
 def _wants_facts(nbytes: int) -> bool:
@@ -220,13 +224,14 @@ class Prologued:
         if group.size == 1:
             return _alone(send, out)
         rows = send.shape[concat_axis]  # this rank's concat_sizes entry
-        nbytes = (send.nbytes // rows * _total(concat_sizes) if rows else
-                  out.itemsize * _total(split_sizes) * _total(concat_sizes) * _others(send.shape, split_axis, concat_axis))
+        total = _total(concat_sizes)
+        nbytes = (send.nbytes // rows * total if rows else
+                  out.itemsize * _total(split_sizes) * total * _others(send.shape, split_axis, concat_axis))
         facts = {"split": split_axis, "concat": concat_axis, "split_sizes": tuple(split_sizes),
                  "concat_sizes": tuple(concat_sizes)} if _wants_facts(nbytes) else _NO_FACTS
         # all ranks' blocks empty (a group-wide fact); a non-empty ``send`` already says no
         empty = not send.size and not nbytes
-        return self._run(group, "all_to_all", lambda: _with(send.shape, concat_axis, _total(concat_sizes)), send, out,
+        return self._run(group, "all_to_all", lambda: _with(send.shape, concat_axis, total), send, out,
                          facts, empty, nbytes, async_op, self.inner.all_to_all,
                          send, out, split_axis, split_sizes, concat_axis, concat_sizes, async_op)
 
