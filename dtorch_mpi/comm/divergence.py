@@ -29,8 +29,9 @@ libnbc crashes after one), every other call on the communicator itself: a functi
 for matching programs each communicator sees the same calls in the same order on every rank.
 A blocking such call that writes no caller's buffer in place (not ``send is out``: broadcast),
 outside debug mode, starts its check, then its data (:func:`overlapped`), and waits for the
-data while watching the check (``deadline.watch``: polled before each nap of the wait);
-a verdict of different calls ends that wait at once, the data request abandoned (its buffers
+data while watching the check (``deadline.watch``: polled before each nap of the wait, so
+only a wait that outlasts its spin polls it); a verdict of different calls ends that wait,
+which may be for data that never comes, the data request abandoned (its buffers
 kept for good in ``work._ABANDONED``, as a timed-out request's, and never tested again); after
 the data completes the verdict is waited for before anything is returned, and a data call that
 fails (a mismatched call's MPI error: the data communicator returns errors as exceptions)
@@ -327,11 +328,10 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], s
                moves: Group, args: tuple[Any, ...]) -> Any:
     """The default check overlapping a blocking data call: start the check, then the data call
     ``start(moves, *args)`` (``moves``: ``group`` on ``twin.data``; it waits for its request,
-    watching the check),
-    then wait for the verdict before returning ``start``'s handle. A verdict of different calls
-    while the data is in flight ends the data wait at once (its request abandoned); every rank
-    raises ``SPMDDivergenceError``. No data is returned before every rank's fingerprint has been
-    compared."""
+    watching the check), then wait for the verdict before returning ``start``'s handle. A
+    verdict of different calls while the data is in flight ends the data wait (its request
+    abandoned); every rank raises ``SPMDDivergenceError``. No data is returned before every
+    rank's fingerprint has been compared."""
     twin.start(fp)
     watch(twin.poll)
     try:
