@@ -102,10 +102,12 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "of hanging; random calls and `from_local` are checked too.",
             _on_unless_empty_or_zero, "first use", "comm/config.py", agreed=True),
     Setting("DTORCH_SPMD_CHECK", "flag (`0` off; unset or `1` on)", "1",
-            "The default divergence check: before a collective whose group-wide payload is 64 KiB "
-            "or more, the group compares a fingerprint of the call (one 2-int64 `Iallreduce` on "
-            "a communicator of its own) and raises `SPMDDivergenceError` on every rank instead of "
-            "moving data between different calls. `0` turns it off (to measure its cost).",
+            "The default divergence check: for a collective whose group-wide payload is 64 KiB or "
+            "more, the group compares a fingerprint of the call (one 2-int64 persistent all-reduce "
+            "on a communicator of its own; with the MPI backend on MPICH a blocking call's data "
+            "moves meanwhile, on another communicator of its own, and nothing is returned before "
+            "the verdict) and raises `SPMDDivergenceError` on every rank instead of returning data "
+            "of different calls. `0` turns it off (to measure its cost).",
             _on_unless_empty_or_zero, "first use", "comm/config.py", agreed=True),
     Setting("DTORCH_COLLECTIVE_TIMEOUT", "seconds (a number; `0` turns the deadline off)", "600",
             "How long a collective may take before `CollectiveTimeoutError` names it.",

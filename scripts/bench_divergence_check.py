@@ -7,7 +7,8 @@ Run under mpiexec (2-4 ranks). Each sample is ``--inner`` back-to-back calls of 
 slowest rank's time, ranks starting together); the medians of ``--reps`` samples give
   off us / on us   per redistribute, check off / on
   check us         on - off: what the check adds per call (a 64 KiB-or-more call carries one
-                   2-int64 Iallreduce on the communicator's check twin plus its fingerprint)
+                   2-int64 persistent all-reduce on the communicator's check twin, overlapping
+                   a blocking call's data on MPICH, plus its fingerprint)
   cost %           (on - off) / off
 Below 64 KiB no check runs: the on/off difference there is the noise floor of the measurement.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from mpi4py import MPI
 from mpi_launch import child_env, mpiexec
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import prologue
+from dtorch_mpi.comm import divergence
 from dtorch_mpi.comm.divergence import CHECK_FROM
 from dtorch_mpi.nn import Parameter
 from dtorch_mpi.nn.utils import clip_grad_norm_, reduce_gradients
@@ -31,6 +32,7 @@ R, S0, S1 = dt.Replicate(), dt.Shard(0), dt.Shard(1)
 ranks = pytest.mark.skipif(SIZE == 1, reason="a divergence needs two ranks")
 BIG = (2 * SIZE + 1, 4096)  # float64: 5-9 x 32 KiB, uneven rows
 EDGE = (16, CHECK_FROM // 16 // 8)  # exactly 64 KiB of float64
+OVERLAPS = dt.comm.backend_named("mpi").overlaps  # the check overlaps the data (MPICH; not Open MPI)
 
 
 @pytest.fixture
@@ -61,6 +63,99 @@ def test_mismatched_redistributes_raise_by_default(mesh1d: dt.DeviceMesh, shape:
     _diverges(lambda: x.redistribute(placements=[R] if RANK == 0 else [S1]), "all_gather", "all_to_all")
     y = x.redistribute(placements=[R])  # nothing moved before the check: the group is still in step
     assert np.array_equal(y.to_local(), np.ones(shape))
+
+
+def _data_comm(mesh: dt.DeviceMesh) -> MPI.Intracomm:
+    twin = divergence.twin_of(mesh.get_group(0))
+    assert twin is not None
+    return twin.data
+
+
+@ranks
+def test_a_verdict_of_different_calls_ends_an_overlapped_data_wait(mesh1d: dt.DeviceMesh) -> None:
+    """Rank 0's blocking gather starts its data while its check is in flight; the others make a
+    nonblocking call of another shape (checked before its data starts), so rank 0's data never
+    completes: only the check's verdict, watched during the data wait, ends it (long before
+    the deadline). Rank 0's request is abandoned, every rank replaces the data communicator,
+    and the mesh works on. (Where the check does not overlap, rank 0 raises before its data.)"""
+    from dtorch_mpi.comm import deadline, work
+
+    x = dt.distribute_tensor(np.ones(BIG), mesh1d, [S0])
+    y = dt.distribute_tensor(np.ones((2 * SIZE + 2, 4096)), mesh1d, [S0])
+    before, abandoned, retired = _data_comm(mesh1d), len(work._ABANDONED), len(divergence._RETIRED)
+    limit = deadline.collective_timeout()
+    deadline.set_collective_timeout(60)  # a watch that missed the verdict would end here
+    try:
+        start = time.monotonic()
+        if RANK == 0:
+            _diverges(lambda: x.redistribute(placements=[R]), str(BIG), str((2 * SIZE + 2, 4096)))
+        else:
+            _diverges(lambda: y.redistribute(placements=[R], async_op=True), str(BIG))
+        took = time.monotonic() - start
+    finally:
+        deadline.set_collective_timeout(limit)
+    assert took < 30, took
+    assert len(work._ABANDONED) == abandoned + (RANK == 0 and OVERLAPS)  # rank 0's gather, never completed
+    assert _data_comm(mesh1d) is not before and len(divergence._RETIRED) == retired + 1
+    assert deadline._watch is None
+    np.testing.assert_array_equal(x.redistribute(placements=[R]).to_local(), np.ones(BIG))
+    np.testing.assert_array_equal(y.redistribute(placements=[R], async_op=True).to_local(),
+                                  np.ones((2 * SIZE + 2, 4096)))
+
+
+@ranks
+def test_an_error_in_an_overlapped_data_call_becomes_the_verdict(mesh1d: dt.DeviceMesh,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mismatched data call may fail in MPI (a truncated message) before the check's verdict
+    arrives: the verdict decides. Rank 0's gather fails at once (before its data starts); the
+    others' all-to-all waits for data that never comes until the verdict ends it: every rank
+    raises SPMDDivergenceError (rank 0's caused by its failure)."""
+    from dtorch_mpi.comm.mpi_backend import MPIBackend
+
+    def fails(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("truncated")
+
+    if RANK == 0:
+        monkeypatch.setattr(MPIBackend, "all_gather", fails)
+    x = dt.distribute_tensor(np.ones(BIG), mesh1d, [S0])
+    with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+        x.redistribute(placements=[R] if RANK == 0 else [S1])
+    if RANK == 0 and OVERLAPS:  # (else rank 0 raised before starting its data)
+        assert isinstance(err.value.__cause__, RuntimeError)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(x.redistribute(placements=[S1]).redistribute(placements=[R]).to_local(),
+                                  np.ones(BIG))
+
+
+@ranks
+def test_checked_calls_move_their_data_on_the_data_communicator(mesh1d: dt.DeviceMesh,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """From 64 KiB (the default check's calls) the data moves on the twin's data communicator,
+    blocking (the check overlapped) or not (the check first); below it on the mesh's own
+    communicator, with no check and nothing watched: the small call costs what it did. (On an
+    MPI the check does not overlap on, every call moves on the mesh's communicator.)"""
+    from dtorch_mpi.comm import deadline
+    from dtorch_mpi.comm.mpi_backend import MPIBackend
+
+    comms: list[MPI.Intracomm] = []
+    checks: list[int] = []
+    watched: list[object] = []
+    gather, start, watch = MPIBackend.all_gather, divergence.Twin.start, deadline.watch
+    monkeypatch.setattr(MPIBackend, "all_gather",
+                        lambda self, group, *a, **k: (comms.append(group.comm), gather(self, group, *a, **k))[1])
+    monkeypatch.setattr(divergence.Twin, "start", lambda twin, fp: (checks.append(fp), start(twin, fp))[1])
+    monkeypatch.setattr(divergence, "watch", lambda poll: (watched.append(poll), watch(poll))[1])
+    below = (16, EDGE[1] - 1)
+    for shape, async_op, checked, overlapped in ((below, False, False, False), (below, True, False, False),
+                                                 (EDGE, False, True, True), (BIG, True, True, False)):
+        x = dt.distribute_tensor(np.ones(shape), mesh1d, [S0])
+        comms.clear(), checks.clear(), watched.clear()
+        y = x.redistribute(placements=[R], async_op=async_op)
+        np.testing.assert_array_equal(y.to_local(), np.ones(shape))
+        want = _data_comm(mesh1d) if checked and OVERLAPS else mesh1d.get_group(0)
+        assert len(comms) == 1 and comms[0] is want, (shape, async_op, comms)
+        assert len(checks) == checked, (shape, async_op, checks)
+        assert bool(watched) == (overlapped and OVERLAPS), (shape, async_op, watched)
 
 
 @ranks
@@ -132,8 +227,8 @@ def test_the_default_check_runs_from_64_kib_only(mesh1d: dt.DeviceMesh, mesh2d: 
     """Below 64 KiB on every rank no check runs (it costs the count of the call only); from 64 KiB
     every collective is checked once, on every rank alike (uneven pieces: the size is group-wide)."""
     checks: list[int] = []
-    real = prologue.compare
-    monkeypatch.setattr(prologue, "compare", lambda *a: (checks.append(a[2]), real(*a))[1])
+    real = divergence.Twin.start  # every check on a twin starts here (overlapped or not)
+    monkeypatch.setattr(divergence.Twin, "start", lambda twin, fp: (checks.append(fp), real(twin, fp))[1])
     below = (16, EDGE[1] - 1)
     for shape, want in ((below, 0), (EDGE, 1), (BIG, 1)):
         x = dt.distribute_tensor(np.ones(shape), mesh1d, [S0])
@@ -168,7 +263,8 @@ def test_divergences_without_a_meeting_check_end_at_the_deadline() -> None:
     out = _case_output_at_a_2s_deadline("case_divergence_deadline.py")
     for rank in range(3):
         assert f"rank {rank} raised CollectiveTimeoutError" in out, out
-        assert f"rank {rank} raised SPMDDivergenceError" in out, out
+        assert f"rank {rank} raised SPMDDivergenceError:" in out, out
+        assert f"rank {rank} raised SPMDDivergenceError after a small call elsewhere" in out, out
 
 
 @launches_its_own_job

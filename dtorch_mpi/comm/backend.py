@@ -43,6 +43,10 @@ class Backend(Protocol):
       under the deadline). A method is therefore entered only for a group of two or more
       ranks with something to move, and with ``async_op=False`` may return an unfinished
       handle (the prologue waits on it).
+    - ``overlaps_check`` (optional class attribute, default False): the default divergence
+      check may overlap a blocking call's data (comm/divergence.py); the backend then waits
+      for its request through ``deadline.wait_request`` (``work.waited``), abandoning it when
+      the wait raises, and gets ``group`` on the communicator's data twin for such calls.
     """
 
     name: str

@@ -15,6 +15,12 @@ deadline and the back-off; with the deadline off the same loop runs without the 
 check: the calls MPI sees do not depend on the settings, and the polled nonblocking forms are
 as fast as MPICH 5's blocking ones or faster (``Allgatherv`` 2-3.5x faster at 1-64 MB;
 ``Alltoallv`` 1.3-1.7x; docs/performance.md).
+
+A wait may watch a second request (:func:`watch`): the divergence check that overlaps a
+blocking data call (comm/divergence.py). It is polled before each nap, once the wait has spun
+for ``DTORCH_WAIT_SPIN``, so a wait that ends while it spins pays nothing for it (the caller
+takes the verdict after the data), and it ends the wait by raising (the check found the calls
+differ: the data may never complete).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from collections.abc import Callable
 
 from mpi4py import MPI
 
@@ -65,9 +72,21 @@ def next_nap(previous: float, waited: float) -> float:
     return min(max(2.0 * previous, _FIRST_NAP), _LONGEST_NAP, _NAP_SHARE * waited)
 
 
+_watch: Callable[[], None] | None = None
+
+
+def watch(poll: Callable[[], None] | None) -> None:
+    """While set, every wait calls ``poll()`` before each nap (after its spin); ``poll`` raises to
+    end the wait (the caller abandons the request it waited for) and calls ``watch(None)`` once
+    there is nothing more to watch. Set only around one blocking data call (comm/divergence.py)."""
+    global _watch
+    _watch = poll
+
+
 def wait_request(request: MPI.Request, what: str) -> None:
     """Wait until ``request`` completes, or raise ``CollectiveTimeoutError`` naming ``what``.
-    Spins first, then backs off to growing naps (module docstring)."""
+    Spins first, then backs off to growing naps (module docstring); polls the watched request
+    meanwhile (:func:`watch`)."""
     if request.Test():
         return
     limit = collective_timeout()
@@ -90,5 +109,7 @@ def wait_request(request: MPI.Request, what: str) -> None:
         if waited < spin:
             os.sched_yield()  # let a peer rank sharing this core run (blocking MPI waits yield too)
         else:
+            if _watch is not None:
+                _watch()
             nap = next_nap(nap, waited)
             time.sleep(nap)

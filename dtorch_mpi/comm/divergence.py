@@ -1,29 +1,63 @@
 """The divergence check (SPEC 5): ranks that make different collective calls get an error,
 never each other's wrong data.
 
-Every communicator the library moves data on (a mesh's, built in ``DeviceMesh``) gets a twin
-(:func:`attach`: a ``Dup`` made collectively where the mesh builds it) that carries nothing but
-checks, so a check can never be matched with data traffic. The prologue counts every collective
-it starts on a communicator (``seq``), and before a collective it compares a fingerprint of the
-call across the group: the sequence number, kind, group-wide shape, dtype, op, sizes, the
-backend's own call, and what the caller adds (:func:`call_context`: a packed bucket's ordered
-parameters, ``clip_grad_norm_``'s norm type). One ``Iallreduce`` of two int64 (the least ``h``
-and the least ``-h``) on the twin, bounded by the collective deadline: equal on every rank, or
-every rank exchanges the calls' texts (only then) and raises ``SPMDDivergenceError`` naming each
-rank's call.
+Every communicator the library moves data on (a mesh's, built in ``DeviceMesh``) gets a
+:class:`Twin` (:func:`attach`, collective where the mesh builds the communicator): a check
+communicator (a ``Dup`` that carries nothing but checks, so a check can never be matched with
+data traffic), a data communicator (a second ``Dup``, below) and the count of collectives the
+prologue starts on the communicator (``seq``). A check compares a fingerprint of the call across
+the group: the sequence number, kind, group-wide shape, dtype, op, sizes, the backend's own
+call, and what the caller adds (:func:`call_context`: a packed bucket's ordered parameters,
+``clip_grad_norm_``'s norm type). One all-reduce of two int64 (the least ``h`` and the least
+``-h``) on the check communicator, a persistent one started per check (``MPI_Allreduce_init``
+at attach; ``Iallreduce`` where MPI has none), bounded by the collective deadline: equal on
+every rank, or every rank exchanges the calls' texts (only then) and raises
+``SPMDDivergenceError`` naming each rank's call.
 
-When it runs: in debug mode (``DTORCH_SPMD_DEBUG=1``) before every collective, the fingerprint
-then also holding the user's call site (:func:`user_site`); by default before every collective
+When it runs: in debug mode (``DTORCH_SPMD_DEBUG=1``) for every collective, the fingerprint
+then also holding the user's call site (:func:`user_site`); by default for every collective
 whose group-wide payload (the whole tensor's bytes, computed by the prologue from the call's
 group-wide facts, so every rank making the same call decides alike; at least what any rank
-sends or receives as one buffer) is :data:`CHECK_FROM` or more, on a communicator with a twin. A divergent call in which some rank moves
-that much is then checked on that rank, which therefore never moves data before a rank made a
-check with the same fingerprint at the same position: either the others' calls fingerprint
-alike, or they raise with it, or (a side that made no checked call) the checking rank waits for
-a check that never comes and raises ``CollectiveTimeoutError`` at the deadline, while the other
-side's data call waits for a data call that never comes. Below the threshold on every rank the
-default adds only the count. ``DTORCH_SPMD_CHECK=0`` turns the default check off (for a
-benchmark of its cost; debug mode still checks).
+sends or receives as one buffer) is :data:`CHECK_FROM` or more, on a communicator with a twin.
+Below the threshold on every rank the default adds only the count. ``DTORCH_SPMD_CHECK=0``
+turns the default check off (for a benchmark of its cost; debug mode still checks).
+
+Overlapped with the data (the default's cost, issue 23 item 12). A call the default check
+covers moves its data on the twin's data communicator when its backend ``overlaps_check`` (the
+MPI backend) and MPI survives mismatched collectives (:data:`OVERLAP`: MPICH; Open MPI 5's
+libnbc crashes after one), every other call on the communicator itself: a function of group-wide facts, so
+for matching programs each communicator sees the same calls in the same order on every rank.
+A blocking such call that writes no caller's buffer in place (not ``send is out``: broadcast),
+outside debug mode, starts its check, then its data (:func:`overlapped`), and waits for the
+data while watching the check (``deadline.watch``: polled before each nap of the wait, so
+only a wait that outlasts its spin polls it); a verdict of different calls ends that wait,
+which may be for data that never comes, the data request abandoned (its buffers
+kept for good in ``work._ABANDONED``, as a timed-out request's, and never tested again); after
+the data completes the verdict is waited for before anything is returned, and a data call that
+fails (a mismatched call's MPI error: the data communicator returns errors as exceptions)
+waits for it too, raising ``SPMDDivergenceError`` when the calls differed. Every other checked
+call runs its check before its data starts: nonblocking calls (no check stays pending across
+other calls on the twin), in-place ones (the caller's buffer would be overwritten before the
+verdict), debug mode, and backends without ``overlaps_check`` (a mismatched NCCL kernel hangs
+its stream; device memory left to an abandoned request).
+
+Why the data needs a communicator of its own: the check is decided per rank, so when calls
+diverge one rank may check (its call is 64 KiB or more) while another's call is small and
+unchecked; the checking rank's data is then in flight before its verdict, and on the
+communicator the small call uses it could match it (wrong data, or a truncation error). On the
+data communicator no unchecked call ever moves anything.
+
+So a divergent call in which some rank moves that much is checked on that rank, which returns
+no data before every rank's fingerprint at the same position has been compared: either the
+others' calls fingerprint alike, or every rank raises with it (even where its data completed),
+or (a side that made no checked call) the checking rank's check and data never complete and it
+raises ``CollectiveTimeoutError`` at the deadline, while the other side's data call waits for a
+data call that never comes. After a verdict of different calls every rank of the group is at
+the same position on the check communicator (they all got the one verdict): they exchange the
+texts there and replace the data communicator by an ``MPI_Comm_idup`` of the check
+communicator (:meth:`Twin.renew_data`; the old one, which may hold abandoned requests and
+messages no call will receive, is kept unfreed), so the mesh works on after the error. A check
+that times out is abandoned like its data (the communicator is unusable after a timeout).
 
 Not caught by any metadata check: a call identical in every fingerprinted fact (a different
 tensor of the same shape, dtype and layout, or parameters of equal shapes swapped in a bucket).
@@ -36,25 +70,145 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any, NoReturn
 
 import numpy as np
 from mpi4py import MPI
 
-from .deadline import wait_request
+from ..errors import CollectiveTimeoutError
+from .deadline import wait_request, watch
 from .group import Group
+from .work import _ABANDONED, _InFlight
 
 CHECK_FROM = 64 << 10
 """Group-wide bytes from which the default check runs (SPEC 5: 64 KiB)."""
 
 
-class Twin:
-    """A communicator's check twin and the count of collectives started on the original."""
+def _survives_mismatched_collectives() -> bool:
+    """Whether this MPI keeps working after mismatched collectives on a communicator (what an
+    overlapped check leaves behind when calls diverge: a truncated message, requests never
+    completed). MPICH: yes (4-MiB-and-smaller gathers, all-to-alls, all-reduces and
+    reduce-scatters against each other, 2-4 ranks, every comm path, each followed by a correct
+    call). Open MPI 5.0: no, its nonblocking collectives' engine (libnbc) crashes (a segfault, a
+    double free) in the next progress after a schedule failed with a truncation. Any other MPI:
+    not known, so not assumed. The same on every rank (one MPI library)."""
+    return MPI.Get_library_version().startswith("MPICH")
 
-    __slots__ = ("comm", "seq")
+
+OVERLAP = _survives_mismatched_collectives()
+"""Whether a backend with ``overlaps_check`` overlaps the default check with the data: only on
+an MPI that survives mismatched collectives (elsewhere the check runs before the data)."""
+
+
+class _Mismatch(Exception):
+    """Raised out of a watched data wait (:meth:`Twin.poll`): the check completed and the calls
+    differ, so the wait stops and its request is abandoned (``work.waited``)."""
+
+
+_RETIRED: list[MPI.Intracomm] = []
+"""Data communicators replaced after a divergence: requests abandoned on them may still be
+progressed by MPI, so they are never freed."""
+
+
+def _data_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
+    """``comm`` (a fresh duplicate) set to return MPI errors as exceptions: a mismatched data
+    call's error (a truncated message) must reach the check's verdict, not abort the job."""
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm
+
+
+class Twin:
+    """What the divergence check keeps per library communicator: ``comm``, the check twin (a
+    ``Dup`` carrying only checks); ``data``, a second ``Dup`` on which the calls the default
+    check covers move their data (backends with ``overlaps_check``: :func:`data_group`);
+    ``seq``, the count of collectives started on the original communicator; and the check's
+    buffer (its 2 int64 and the 2 of the result) with its request: one persistent all-reduce
+    (``MPI_Allreduce_init``, started per check: a third of an ``Iallreduce``'s cost) where MPI
+    has them, else an ``Iallreduce`` per check. Every check on a twin takes the same form on
+    every rank (a persistent collective matches only its own starts)."""
+
+    __slots__ = ("comm", "data", "seq", "_groups", "_buf", "_request", "_pending")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
-        self.comm = comm
+        self.comm = comm.Dup()
+        self.data = _data_comm(comm.Dup())
         self.seq = 0
+        self._groups: dict[int | None, Group] = {}
+        self._buf = np.zeros(4, dtype=np.int64)
+        self._request: MPI.Prequest | None
+        try:
+            self._request = self.comm.Allreduce_init(self._buf[:2], self._buf[2:], op=MPI.MIN)
+        except (NotImplementedError, MPI.Exception):  # an MPI before 4.0: the same on every rank
+            self._request = None
+        self._pending: MPI.Request = MPI.REQUEST_NULL
+
+    def data_group(self, group: Group) -> Group:
+        """``group`` on the data communicator (one ``Group`` per mesh dim, made once)."""
+        data = self._groups.get(group.mesh_dim)
+        if data is None:
+            data = self._groups[group.mesh_dim] = Group(self.data, group.mesh_dim)
+        return data
+
+    def start(self, fp: int) -> None:
+        """Start comparing ``fp`` across the group: the least ``fp`` and the least ``-fp``."""
+        buf = self._buf
+        buf[0] = fp
+        buf[1] = -fp
+        if self._request is not None:
+            self._request.Start()
+            self._pending = self._request
+        else:
+            self._pending = self.comm.Iallreduce(buf[:2], buf[2:], op=MPI.MIN)
+
+    def agreed(self) -> bool:
+        """The completed check's verdict: every rank's ``fp`` the same."""
+        return bool(self._buf.item(2) == -self._buf.item(3))
+
+    def settle(self) -> bool:
+        """Wait for the started check (under the deadline; abandoned if it times out) and return
+        its verdict."""
+        if not self._pending.Test():  # (an overlapped check has mostly completed by now)
+            try:
+                wait_request(self._pending, "the SPMD divergence check (Allreduce)")
+            except BaseException:
+                self.abandon()
+                raise
+        return bool(self._buf.item(2) == -self._buf.item(3))
+
+    def poll(self) -> None:
+        """The watch of a data wait the check overlaps (``deadline.watch``): once the check has
+        completed, stop watching, and raise :class:`_Mismatch` if the calls differ."""
+        if self._pending.Test():
+            watch(None)
+            if not self.agreed():
+                raise _Mismatch
+
+    def abandon(self) -> None:
+        """The started check will not complete: MPI may still write into its buffer, which is
+        kept for good (``work._ABANDONED``, as a timed-out request's), and later checks on this
+        twin use fresh buffers and ``Iallreduce`` (the communicator is unusable after a timeout:
+        the others' next check is the persistent one)."""
+        _ABANDONED.append(_InFlight(self._pending, (self._buf,)))
+        self._pending = MPI.REQUEST_NULL
+        self._request = None
+        self._buf = np.zeros(4, dtype=np.int64)
+
+    def renew_data(self) -> None:
+        """After a divergence (every rank of the group is here, having seen the same verdict):
+        the data communicator may hold abandoned requests and messages no call will receive,
+        so it is replaced by a fresh duplicate of the check twin (``MPI_Comm_idup``, under the
+        deadline), the old one kept unfreed (:data:`_RETIRED`)."""
+        _RETIRED.append(self.data)
+        data, request = self.comm.Idup()
+        wait_request(request, "the SPMD divergence check (a new data communicator: MPI_Comm_idup)")
+        self.data = _data_comm(data)
+        self._groups.clear()
+
+    def free(self) -> None:
+        if self._request is not None:
+            self._request.Free()
+        self.comm.Free()
+        self.data.Free()
 
 
 _TWINS: dict[int, Twin] = {}
@@ -64,16 +218,17 @@ _context: Callable[[], str] | None = None
 
 
 def attach(comm: MPI.Intracomm) -> None:
-    """Give ``comm`` its check twin (collective over ``comm``; a group of one needs none)."""
+    """Give ``comm`` its check twin and data communicator (collective over ``comm``; a group of
+    one needs neither)."""
     if comm != MPI.COMM_NULL and comm.Get_size() > 1:
-        _TWINS[id(comm)] = Twin(comm.Dup())
+        _TWINS[id(comm)] = Twin(comm)
 
 
 def detach(comm: MPI.Intracomm) -> None:
     """Free ``comm``'s twin (collective, where the mesh frees ``comm``)."""
     twin = _TWINS.pop(id(comm), None)
     if twin is not None:
-        twin.comm.Free()
+        twin.free()
 
 
 def twin_of(comm: MPI.Intracomm) -> Twin | None:
@@ -125,34 +280,105 @@ def code(text: str) -> int:
     return value
 
 
-def fingerprint(parts: tuple[object, ...]) -> int:
-    """``parts`` (ints, tuples of ints, strings) as one int64, equal on every rank for equal parts:
-    the strings as :func:`code`, then Python's ``hash`` of the tuple (deterministic for ints and
-    tuples of them, on every rank running one interpreter version; the mesh agrees settings)."""
-    return hash(tuple(code(p) if isinstance(p, str) else p for p in parts)) >> 1
+_CALLS: dict[tuple[Any, ...], int] = {}
+
+
+def fingerprint(seq: int, call: tuple[Any, ...], context: str, site: str) -> int:
+    """Call ``call`` (``(kind, group-wide shape, dtype, *facts)``: ints, tuples of ints, digests,
+    strings) made as number ``seq`` as one int64, equal on every rank for equal parts: the
+    strings (and the dtype's ``str``) as :func:`code`, then Python's ``hash`` of the tuple
+    (deterministic for ints and tuples of them, on every rank running one interpreter version;
+    the mesh agrees settings). The call's own part is computed once per distinct call and cached
+    (a program makes the same few calls over and over): a hit costs a third of computing it, and
+    with the check overlapped the fingerprint is most of what a checked call pays."""
+    static = _CALLS.get(call)
+    if static is None:
+        kind, shape, dtype, *facts = call
+        static = hash((code(kind), shape, code(dtype.str), *[code(f) if isinstance(f, str) else f for f in facts]))
+        if len(_CALLS) >= 4096:
+            _CALLS.clear()
+        _CALLS[call] = static
+    if context or site:
+        return hash((seq, static, code(context), code(site))) >> 1
+    return hash((seq, static)) >> 1
 
 
 _MINE = np.empty(2, dtype=np.int64)
-_LOW = np.empty(2, dtype=np.int64)  # reused: a check is waited before the next one starts
+_LOW = np.empty(2, dtype=np.int64)  # a communicator without a twin: waited before the next check
 
 
-def compare(group: Group, comm: MPI.Intracomm, fp: int, describe: Callable[[], str]) -> None:
-    """Every rank of ``group`` makes the call fingerprinted ``fp`` (checked on ``comm``, the
-    twin), or every rank raises ``SPMDDivergenceError`` naming each rank's call (``describe()``,
-    built only then)."""
+def compare(group: Group, twin: Twin | None, fp: int, describe: Callable[[], str]) -> None:
+    """Every rank of ``group`` makes the call fingerprinted ``fp`` (checked on ``twin``, or on
+    ``group.comm`` itself for a communicator the library did not build), or every rank raises
+    ``SPMDDivergenceError`` naming each rank's call (``describe()``, built only then). The
+    synchronous check: nothing of the call has moved yet."""
+    if twin is not None:
+        twin.start(fp)
+        if not twin.settle():
+            diverged(group, twin.comm, twin, describe)
+        return
     _MINE[0] = fp
     _MINE[1] = -fp
-    wait_request(comm.Iallreduce(_MINE, _LOW, op=MPI.MIN), "the SPMD divergence check (Allreduce)")
-    if _LOW[0] == -_LOW[1]:
-        return
+    wait_request(group.comm.Iallreduce(_MINE, _LOW, op=MPI.MIN), "the SPMD divergence check (Allreduce)")
+    if _LOW[0] != -_LOW[1]:
+        diverged(group, group.comm, None, describe)
+
+
+def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], start: Callable[..., Any],
+               moves: Group, args: tuple[Any, ...]) -> Any:
+    """The default check overlapping a blocking data call: start the check, then the data call
+    ``start(moves, *args)`` (``moves``: ``group`` on ``twin.data``; it waits for its request,
+    watching the check), then wait for the verdict before returning ``start``'s handle. A
+    verdict of different calls while the data is in flight ends the data wait (its request
+    abandoned); every rank raises ``SPMDDivergenceError``. No data is returned before every
+    rank's fingerprint has been compared."""
+    twin.start(fp)
+    watch(twin.poll)
+    try:
+        handle = start(moves, *args)
+    except _Mismatch:  # (the watch is off: the poll that raised turned it off)
+        diverged(group, twin.comm, twin, describe)
+    except BaseException as exc:
+        watch(None)
+        _failed(twin, group, describe, exc)
+    watch(None)
+    if not twin.settle():
+        diverged(group, twin.comm, twin, describe)
+    return handle
+
+
+def _failed(twin: Twin, group: Group, describe: Callable[[], str], exc: BaseException) -> NoReturn:
+    """The overlapped data call raised ``exc``: the check tells whether the calls differed (a
+    mismatched data call may end in an MPI error, a truncated message), raising
+    ``SPMDDivergenceError`` then and ``exc`` otherwise. A data wait that timed out (or was
+    interrupted) already waited for the check as long as the deadline: one last look, then the
+    check is abandoned with it."""
+    if isinstance(exc, CollectiveTimeoutError) or not isinstance(exc, Exception):
+        if not twin._pending.Test():
+            twin.abandon()
+            raise exc
+        same = twin.agreed()
+    else:
+        same = twin.settle()
+    if not same:
+        diverged(group, twin.comm, twin, describe, exc)
+    raise exc
+
+
+def diverged(group: Group, comm: MPI.Intracomm, twin: Twin | None, describe: Callable[[], str],
+             cause: BaseException | None = None) -> NoReturn:
+    """The check found different calls (every rank of the group is here): exchange the calls'
+    texts on ``comm``, give ``twin`` a fresh data communicator, and raise."""
     from ..errors import SPMDDivergenceError
     from ..spmd import _allgather_bytes
 
     calls = [r.decode(errors="replace") for r in _allgather_bytes(comm, describe().encode())]
+    if twin is not None:
+        twin.renew_data()
     dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
     raise SPMDDivergenceError(
         f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"
         + "\n".join(f"  group rank {r}: {c}" for r, c in enumerate(calls))
         + "\nEvery rank must run the same sequence of collective operations (#n: the call's number "
         "on its communicator; checked by default from 64 KiB, every call with DTORCH_SPMD_DEBUG=1)."
-    )
+    ) from cause

@@ -155,6 +155,11 @@ class MPIBackend:
 
     name = "mpi"
     device_buffers = False  # whether MPI is handed GPU memory (CudaAwareMPIBackend)
+    overlaps_check = True
+    """The default divergence check overlaps this backend's blocking calls, whose data moves on
+    the communicator's data twin (comm/divergence.py): a mismatched call's request can be
+    abandoned (its buffers kept), and MPI errors come back as exceptions. Backends without it
+    (NCCL: a mismatched kernel hangs its stream; device buffers) keep the check before the data."""
 
     def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
         """The MPI call (route) made for a collective and whether it pads (comm/routes.py)."""
