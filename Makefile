@@ -22,8 +22,10 @@ MPI_WHEEL ?= mpich
 VENV     ?= $(if $(filter mpich,$(MPI_WHEEL)),.venv,.venv-$(or $(MPI_WHEEL),system))
 MPIEXEC  ?= $(if $(MPI_WHEEL),$(VENV)/bin/mpiexec,mpiexec)
 SIZES    ?= 1,2,3,4
-# test runs made side by side while their ranks fit cores + 1 (scripts/run_tests.py --jobs)
-JOBS     ?= 2
+# test runs made side by side while their ranks fit cores + 1 (scripts/run_tests.py --jobs); 1 by
+# default: on 2 cores, n1 + n2 + variable n2 side by side took 75.6 s against 82.9 s in turn (one
+# try, within this machine's noise), the 2-rank runs 2.5x as long as alone
+JOBS     ?= 1
 PATHS    ?= auto,variable,padded
 PIP      := $(VENV)/bin/pip
 PY       := $(VENV)/bin/python
