@@ -12,7 +12,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,6 @@ import pytest
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm.deadline import next_nap
 from dtorch_mpi.spmd import _allgather_bytes
 
 WORLD = MPI.COMM_WORLD
@@ -89,21 +87,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
 
 
-def _wait_backing_off(request: MPI.Request, spin: float = 5e-4) -> None:
-    """Wait for ``request`` as the library's waits do (spin, then growing naps: a rank waiting
-    for a slower peer gives its core away, where MPI's blocking calls spin), but with no
-    deadline: the verdict must wait for a rank still inside a test that is timing out."""
-    start = time.monotonic()
-    nap = 0.0
-    while not request.Test():
-        waited = time.monotonic() - start
-        if waited < spin:
-            os.sched_yield()
-        else:
-            nap = next_nap(nap, waited)
-            time.sleep(nap)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     outcome = yield
@@ -113,7 +96,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     mine = report.longreprtext.encode() if report.failed else b""
     flag = np.array([1 if report.failed else 0], dtype=np.int32)
     flags = np.zeros(SIZE, dtype=np.int32)
-    _wait_backing_off(WORLD.Iallgather(flag, flags))
+    WORLD.Allgather(flag, flags)
     if not flags.any():
         return
     texts = _allgather_bytes(WORLD, mine)
