@@ -238,6 +238,66 @@ def test_checkpointed_gradients_are_bit_identical(how: str, tp: bool, mesh1d: dt
     check.done()
 
 
+def _skipped_names(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The operations a recompute leaves uncomputed, appended to as they are (autograd/skipping.py)."""
+    from dtorch_mpi.autograd import skipping
+
+    names: list[str] = []
+    real = skipping.stand_in
+
+    def spy(name: str, operands: Any, xp: Any) -> Any:
+        kernel = real(name, operands, xp)
+        if kernel is not None:
+            names.append(name)
+        return kernel
+
+    monkeypatch.setattr(skipping, "stand_in", spy)
+    return names
+
+
+def test_the_recompute_stops_where_no_backward_reads_on(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The early stop: in ``x + fc2(h)`` the last matmul (it saves h and the weight, not its
+    result) and the two additions are recorded without computing them, per block; under tensor
+    parallelism fc2's result goes through a redistribute, whose backward is not one an operator
+    declares, so the matmul runs. The gradients stay bit-identical (the test above)."""
+    names = _skipped_names(monkeypatch)
+    _run(mesh1d, False, "checkpoint")
+    assert names == ["matmul", "add", "add"] * 3, names
+    names.clear()
+    _run(mesh1d, True, "checkpoint")
+    assert names == ["add", "add"] * 3 if SIZE > 1 else ["matmul", "add", "add"] * 3, names
+
+
+@pytest.mark.parametrize("case", ["exp-last", "mul-last", "nested"])
+def test_results_a_backward_reads_are_recomputed(case: str, mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch,
+                                                 check: Checker) -> None:
+    """``exp`` keeps its own result, so it and the matmul before it run; ``x * (x @ w)`` keeps
+    both factors, so only the product is skipped; a checkpoint inside a checkpoint makes a node
+    the outer one did not see, so the outer recompute skips nothing of its own (its last
+    product would be), the inner one its matmul and addition."""
+    w0 = reference((5, 5), seed=2) / 5
+    x0 = reference((2 * SIZE + 1, 5), seed=4)
+    fns = {"exp-last": lambda x, w: (x @ w).exp(),
+           "mul-last": lambda x, w: x * (x @ w),
+           "nested": lambda x, w: checkpoint(lambda y: (y @ w) + y, x) * 3.0}
+    want_skipped = {"exp-last": [], "mul-last": ["mul"], "nested": ["matmul", "add"]}
+
+    def grads(use: bool) -> list[np.ndarray]:
+        x = dt.distribute_tensor(x0, mesh1d, [S0], src_data_rank=None, requires_grad=True)
+        w = dt.distribute_tensor(w0, mesh1d, [R], src_data_rank=None, requires_grad=True)
+        out = checkpoint(fns[case], x, w) if use else fns[case](x, w)
+        (out * out).sum().backward()
+        return [x.grad.to_torch(), w.grad.to_torch()]  # type: ignore[union-attr]
+
+    want = grads(False)
+    names = _skipped_names(monkeypatch)
+    got = grads(True)
+    check.true(names == want_skipped[case], f"{case}: skipped {names}")
+    for g, v, what in zip(got, want, ("d/dx", "d/dw")):
+        check.equal(g, v, f"{case}: {what}")
+    check.done()
+
+
 def test_dropout_masks_are_replayed_not_redrawn(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch) -> None:
     """The replay is what makes the gradients equal: recomputing without it draws new masks."""
     want, _ = _run(mesh1d, False, "plain")

@@ -147,12 +147,32 @@ def edge(t: Any) -> Node | None:
     return acc
 
 
-def attach(out: "DTensor", name: str, inputs: Sequence[Any], backward: BackwardFn) -> "DTensor":
-    """Make ``out`` the result of a recorded op over ``inputs`` (when any requires grad)."""
+Saves = tuple[bool, bool] | None
+"""What a node's backward keeps: (its inputs, its output); None where the recorder did not say."""
+
+Observer = Callable[[Node, "DTensor", Saves, Sequence[Any]], None]
+_observer: Observer | None = None
+
+
+def observe(observer: Observer | None) -> Observer | None:
+    """Call ``observer(node, out, saves, inputs)`` for every node recorded from now on (None: stop);
+    returns the observer it replaces. Activation checkpointing watches what its function
+    records (nn/checkpoint.py)."""
+    global _observer
+    previous, _observer = _observer, observer
+    return previous
+
+
+def attach(out: "DTensor", name: str, inputs: Sequence[Any], backward: BackwardFn,
+           saves: Saves = None) -> "DTensor":
+    """Make ``out`` the result of a recorded op over ``inputs`` (when any requires grad);
+    ``saves``: what ``backward`` keeps (an observer's business only)."""
     edges = tuple(edge(t) for t in inputs)
     if any(e is not None for e in edges):
-        out._grad_fn = Node(name, edges, backward)
+        node = out._grad_fn = Node(name, edges, backward)
         out._requires_grad = True
+        if _observer is not None:
+            _observer(node, out, saves, inputs)
     return out
 
 

@@ -137,7 +137,7 @@ def record_op(op: str, bw: Backward, plan: "OpPlan", operands: Sequence[Any], in
             results.append(DTensor(gi.astype(spec.dtype, copy=False), spec.with_placements(placements)))
         return results
 
-    return attach(out, op, operands, backward)
+    return attach(out, op, operands, backward, (bw.saves_inputs, bw.saves_output))
 
 
 def record_redistribute(src: "DTensor", out: "DTensor") -> "DTensor":

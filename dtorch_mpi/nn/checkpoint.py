@@ -9,7 +9,9 @@ is freed as soon as ``fn`` returns. In backward the node runs ``fn`` again on th
 recording, with the random generator set back to where the forward found it (dropout draws the
 same masks), backpropagates through the recomputed subgraph down to the boundary, and hands the
 engine each boundary edge's gradient in the order the engine would have met it without
-checkpointing: gradients are bit-identical. Hooks compose: the result's hooks move to the
+checkpointing: gradients are bit-identical. The recompute stops early, as PyTorch's
+non-reentrant checkpoint can: operations whose results no backward reads (a block's last matmul
+and additions) are recorded without computing them (autograd/skipping.py). Hooks compose: the result's hooks move to the
 checkpoint node, and the recomputed nodes run through the engine's ``step`` (autograd/graph.py),
 so the hooks the recompute registers (fully_shard's pre-backward) fire there. ``fn`` must record the same operations when run
 again (as torch's checkpoint assumes); a different graph raises.
@@ -21,8 +23,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import random as _random
+from ..autograd import skipping
 from ..autograd.accumulate import accumulate
-from ..autograd.graph import AccumulateGrad, Node, step
+from ..autograd.graph import AccumulateGrad, Node, observe, step
 from ..autograd.record import version_of
 from ..dtensor import DTensor
 from ..grad_mode import _GradMode, enable_grad, no_grad
@@ -103,13 +106,24 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     rng = _random.state()
     after = _marker()
-    out = fn(*args, **kwargs)
+    records: list[skipping.Recorded] = []
+    outer = observe(lambda node, result, saves, inputs: records.append(skipping.Recorded(
+        node, saves, result.to_local().shape, result.to_local().dtype, skipping.operand_shapes(inputs))))
+    try:
+        out = fn(*args, **kwargs)
+    finally:
+        observe(outer)
     root = _recorded_root(out, after, fn)
     if root is None:
         return out
     recorded, boundary = _subgraph(root, after)
     names = [n.name for n in recorded]  # what a faithful recompute records again
-    del recorded
+    seen = {id(r.node) for r in records}
+    # the early stop (autograd/skipping.py), unless a node was made that the observer did not
+    # see (a nested checkpoint's): its inputs could be results left uncomputed
+    skip = skipping.plan(records) if all(id(n) in seen for n in recorded) else {}
+    del recorded, seen
+    records.clear()  # the forward's nodes (and what they saved) are freed below
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, DTensor)]
     versions = [(t, version_of(t)) for t in inputs]
     spec = out.spec
@@ -122,11 +136,16 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
                                    f"the forward; recomputing it would give other values (use out-of-place ops)")
         resume = _random.state()
         _random.set_state(rng)
+        plan = skipping.Plan(skip)
+        outer_plan, skipping.ACTIVE = skipping.ACTIVE, plan
+        outer = observe(lambda node, result, saves, inputs: setattr(plan, "count", plan.count + 1))
         try:
             with enable_grad():
                 again_after = _marker()
                 again = fn(*args, **kwargs)
         finally:
+            observe(outer)
+            skipping.ACTIVE = outer_plan
             _random.set_state(resume)
         again_root = _recorded_root(again, again_after, fn)
         nodes, again_boundary = ([], []) if again_root is None else _subgraph(again_root, again_after)

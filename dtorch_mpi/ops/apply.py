@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
+from ..autograd import skipping as _skipping
 from ..autograd.record import needs_recording, record_op, version_of
 from ..dtensor import DTensor
 from ..errors import PlacementError
@@ -102,6 +103,16 @@ def finish(op: Op, plan: OpPlan, operands: Sequence[Any], inputs: Sequence[Any],
     return result
 
 
+def _kernel_for(plan: OpPlan, op: Op, operands: Sequence[Any]) -> Callable[..., Any]:
+    """``plan.kernel``; during an activation-checkpoint recompute, for an operation whose result
+    no backward reads, a stand-in returning zeros of its shape (autograd/skipping.py)."""
+    if _skipping.ACTIVE is not None and _GradMode.recording and op.backward is not None and needs_recording(operands):
+        stand = _skipping.stand_in(op.name, operands, plan.xp)
+        if stand is not None:
+            return stand  # type: ignore[no-any-return]
+    return plan.kernel
+
+
 # --- operands --------------------------------------------------------------------------------
 def spec_of(x: Any, op: str) -> DTensorSpec | None:
     """A DTensor's spec; None for a scalar; TypeError for anything else."""
@@ -147,7 +158,7 @@ def apply_elementwise(op: Op, operands: Sequence[Any], params: Mapping[str, Any]
     specs = tuple([spec_of(x, op.name) for x in operands])
     plan = plan_for(op, specs, ())
     inputs = [_prepared(x, s, steps) for x, s, steps in zip(operands, specs, plan.prepare)]
-    return finish(op, plan, operands, inputs, plan.kernel(*inputs, **params), params)
+    return finish(op, plan, operands, inputs, _kernel_for(plan, op, operands)(*inputs, **params), params)
 
 
 class UnaryFn(Protocol):
@@ -183,7 +194,8 @@ def binary(op: Op, *methods: str, reflected: tuple[str, ...] = (), inplace: tupl
         plan = plan_for(op, (sa, sb), ()) if first is None else first.mesh._op_plans(op, (sa, sb), ())
         pa, pb = plan.prepare
         la, lb = _prepared(a, sa, pa), _prepared(b, sb, pb)
-        return finish(op, plan, (a, b), (la, lb), plan.kernel(la, lb), NO_PARAMS)
+        kernel = plan.kernel if _skipping.ACTIVE is None else _kernel_for(plan, op, (a, b))
+        return finish(op, plan, (a, b), (la, lb), kernel(la, lb), NO_PARAMS)
 
     def reflected_fn(a: Operand, b: Operand, /) -> DTensor:
         return fn(b, a)
@@ -229,7 +241,7 @@ def apply_matmul(op: Op, a: DTensor, b: DTensor) -> DTensor:
         raise TypeError("matmul: both operands must be DTensors (use * for scalars)")
     plan = plan_for(op, specs, ())
     inputs = (_prepared(a, specs[0], plan.prepare[0]), _prepared(b, specs[1], plan.prepare[1]))
-    return finish(op, plan, (a, b), inputs, plan.kernel(*inputs), NO_PARAMS)
+    return finish(op, plan, (a, b), inputs, _kernel_for(plan, op, (a, b))(*inputs), NO_PARAMS)
 
 
 def apply_reduce(op: Op, x: DTensor, dim: int | Sequence[int] | None, keepdim: bool,
@@ -242,7 +254,7 @@ def apply_reduce(op: Op, x: DTensor, dim: int | Sequence[int] | None, keepdim: b
     plan = plan_for(op, (spec,), (axes, keepdim))
     local = x.to_local()
     count = prod(spec.shape[d] for d in axes)
-    out = plan.kernel(local, axes, keepdim, count, plan.reduced_sharded, **extra)
+    out = _kernel_for(plan, op, (x,))(local, axes, keepdim, count, plan.reduced_sharded, **extra)
     return finish(op, plan, (x,), (local,), out, {"dim": axes, "keepdim": keepdim, **extra})
 
 
@@ -256,7 +268,7 @@ def apply_arg_reduce(op: Op, x: DTensor, dim: int | None, keepdim: bool) -> DTen
     plan = plan_for(op, (spec,), (axes, keep))
     axis = None if dim is None else axes[0]
     local = x.to_local()
-    out = plan.kernel(local, axis, keep)
+    out = _kernel_for(plan, op, (x,))(local, axis, keep)
     return finish(op, plan, (x,), (local,), out, {"dim": axis, "keepdim": keep})
 
 
@@ -268,7 +280,7 @@ def apply_along_dim(op: Op, x: DTensor, dim: int, **params: Any) -> DTensor:
     (axis,) = axes_of(dim, len(spec.shape), op.name)
     plan = plan_for(op, (spec,), (axis,))
     local = x.to_local()
-    out = plan.kernel(local, dim=axis, **params)
+    out = _kernel_for(plan, op, (x,))(local, dim=axis, **params)
     return finish(op, plan, (x,), (local,), out, {"dim": axis, **params})
 
 
@@ -276,7 +288,7 @@ def apply_permute(op: Op, x: DTensor, perm: tuple[int, ...]) -> DTensor:
     spec = tensor_spec(x, op.name)
     plan = plan_for(op, (spec,), (perm,))
     local = x.to_local()
-    return finish(op, plan, (x,), (local,), plan.kernel(local, perm), {"perm": perm})
+    return finish(op, plan, (x,), (local,), _kernel_for(plan, op, (x,))(local, perm), {"perm": perm})
 
 
 def apply_reshape(op: Op, x: DTensor, shape: Sequence[int]) -> DTensor:
@@ -284,14 +296,14 @@ def apply_reshape(op: Op, x: DTensor, shape: Sequence[int]) -> DTensor:
     new = resolve_shape(shape, prod(spec.shape))
     plan = plan_for(op, (spec,), (new,))
     local = x.to_local()
-    return finish(op, plan, (x,), (local,), plan.kernel(local, plan.aux), {"shape": new})
+    return finish(op, plan, (x,), (local,), _kernel_for(plan, op, (x,))(local, plan.aux), {"shape": new})
 
 
 def apply_getitem(op: Op, x: DTensor, key: Any) -> DTensor:
     spec = tensor_spec(x, op.name)
     plan = plan_for(op, (spec,), (hashable_key(key),))
     local = x.to_local()
-    return finish(op, plan, (x,), (local,), plan.kernel(local, plan.aux), {"key": plan.aux})
+    return finish(op, plan, (x,), (local,), _kernel_for(plan, op, (x,))(local, plan.aux), {"key": plan.aux})
 
 
 def apply_join(op: Op, tensors: Sequence[DTensor], dim: int, new_dim: bool) -> DTensor:
@@ -304,7 +316,7 @@ def apply_join(op: Op, tensors: Sequence[DTensor], dim: int, new_dim: bool) -> D
     axis = dim % (len(specs[0].shape) + (1 if new_dim else 0) or 1)
     plan = plan_for(op, specs, (axis,))
     inputs = [t.to_local() for t in tensors]
-    return finish(op, plan, tuple(tensors), inputs, plan.kernel(*inputs, dim=axis), {"dim": axis})
+    return finish(op, plan, tuple(tensors), inputs, _kernel_for(plan, op, tensors)(*inputs, dim=axis), {"dim": axis})
 
 
 def spelling(op: str, torch_name: str, torch_value: Any, numpy_name: str, numpy_value: Any,
