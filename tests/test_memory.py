@@ -268,31 +268,35 @@ def test_the_recompute_stops_where_no_backward_reads_on(mesh1d: dt.DeviceMesh, m
     assert names == ["add", "add"] * 3 if SIZE > 1 else ["matmul", "add", "add"] * 3, names
 
 
-@pytest.mark.parametrize("case", ["exp-last", "mul-last", "nested"])
+@pytest.mark.parametrize("case", ["exp-last", "mul-last", "detached", "nested"])
 def test_results_a_backward_reads_are_recomputed(case: str, mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch,
                                                  check: Checker) -> None:
     """``exp`` keeps its own result, so it and the matmul before it run; ``x * (x @ w)`` keeps
-    both factors, so only the product is skipped; a checkpoint inside a checkpoint makes a node
+    both factors, so only the product is skipped; in ``x * (t.detach() * 2)`` the matmul making
+    ``t`` has no consumer the graph shows, but the product keeps a value made from it, so
+    nothing is skipped; a checkpoint inside a checkpoint makes a node
     the outer one did not see, so the outer recompute skips nothing of its own (its last
     product would be), the inner one its matmul and addition."""
     w0 = reference((5, 5), seed=2) / 5
     x0 = reference((2 * SIZE + 1, 5), seed=4)
     fns = {"exp-last": lambda x, w: (x @ w).exp(),
            "mul-last": lambda x, w: x * (x @ w),
+           "detached": lambda x, w: x * ((x @ w).detach() * 2.0),
            "nested": lambda x, w: checkpoint(lambda y: (y @ w) + y, x) * 3.0}
-    want_skipped = {"exp-last": [], "mul-last": ["mul"], "nested": ["matmul", "add"]}
+    want_skipped = {"exp-last": [], "mul-last": ["mul"], "detached": [], "nested": ["matmul", "add"]}
 
     def grads(use: bool) -> list[np.ndarray]:
         x = dt.distribute_tensor(x0, mesh1d, [S0], src_data_rank=None, requires_grad=True)
         w = dt.distribute_tensor(w0, mesh1d, [R], src_data_rank=None, requires_grad=True)
         out = checkpoint(fns[case], x, w) if use else fns[case](x, w)
         (out * out).sum().backward()
-        return [x.grad.to_torch(), w.grad.to_torch()]  # type: ignore[union-attr]
+        return [t.grad.to_torch() for t in (x, w) if t.grad is not None]  # (w has none when detached)
 
     want = grads(False)
     names = _skipped_names(monkeypatch)
     got = grads(True)
     check.true(names == want_skipped[case], f"{case}: skipped {names}")
+    check.true(len(got) == len(want), f"{case}: as many gradients")
     for g, v, what in zip(got, want, ("d/dx", "d/dw")):
         check.equal(g, v, f"{case}: {what}")
     check.done()

@@ -13,8 +13,9 @@ zeros of the forward's local shape and dtype.
 saves, nodes in recording order) which nodes may be skipped: a node whose backward keeps its
 own output never; otherwise one whose every consumer among the recorded nodes is skipped too and
 keeps no input (so a zero result is never saved, nor computed from), and only when no node
-computed after the first skipped one saves anything while taking an operand no edge describes
-(a value made by an unrecorded operation, which could come from a zero result). A node whose
+recorded after the first skipped one keeps a value (an input; its output, if computed) while
+taking an operand no edge describes: a value an unrecorded operation made (``t.detach() * 2``),
+which could come from a zero result. A node whose
 recorder did not say what it saves (a redistribute, an embedding, a loss) is computed, and so
 are its producers. :func:`stand_in` is asked by every operator before its kernel runs.
 """
@@ -85,11 +86,12 @@ def plan(recorded: Sequence[Recorded]) -> dict[int, Skip]:
             continue
         if all(j in skip and not _keeps_inputs(recorded[j]) for j in consumers[i]):
             skip.add(i)
-    if skip:
+    if skip:  # a value no edge describes, kept after the first skip, could come from a zero result
         first = min(skip)
         for j in range(first + 1, len(recorded)):
             r = recorded[j]
-            if j not in skip and (r.saves is None or any(r.saves)) and None in r.node.next:
+            keeps = _keeps_inputs(r) or (j not in skip and bool(r.saves and r.saves[1]))
+            if keeps and None in r.node.next:
                 return {}
     return {i: Skip(r.node.name, r.shape, r.dtype, r.operands) for i in sorted(skip) for r in [recorded[i]]}
 
