@@ -268,13 +268,13 @@ def test_the_recompute_stops_where_no_backward_reads_on(mesh1d: dt.DeviceMesh, m
     assert names == ["add", "add"] * 3 if SIZE > 1 else ["matmul", "add", "add"] * 3, names
 
 
-@pytest.mark.parametrize("case", ["exp-last", "mul-last", "detached", "nested"])
+@pytest.mark.parametrize("case", ["exp-last", "mul-last", "detached", "detached-sum", "nested"])
 def test_results_a_backward_reads_are_recomputed(case: str, mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch,
                                                  check: Checker) -> None:
     """``exp`` keeps its own result, so it and the matmul before it run; ``x * (x @ w)`` keeps
     both factors, so only the product is skipped; in ``x * (t.detach() * 2)`` the matmul making
-    ``t`` has no consumer the graph shows, but the product keeps a value made from it, so
-    nothing is skipped; a checkpoint inside a checkpoint makes a node
+    ``t`` has no consumer the graph shows, but the product keeps a value made from it, and in
+    ``exp(x + t.detach())`` the sum is computed from it: nothing is skipped; a checkpoint inside a checkpoint makes a node
     the outer one did not see, so the outer recompute skips nothing of its own (its last
     product would be), the inner one its matmul and addition."""
     w0 = reference((5, 5), seed=2) / 5
@@ -282,8 +282,9 @@ def test_results_a_backward_reads_are_recomputed(case: str, mesh1d: dt.DeviceMes
     fns = {"exp-last": lambda x, w: (x @ w).exp(),
            "mul-last": lambda x, w: x * (x @ w),
            "detached": lambda x, w: x * ((x @ w).detach() * 2.0),
+           "detached-sum": lambda x, w: (x + (x @ w).detach()).exp(),
            "nested": lambda x, w: checkpoint(lambda y: (y @ w) + y, x) * 3.0}
-    want_skipped = {"exp-last": [], "mul-last": ["mul"], "detached": [], "nested": ["matmul", "add"]}
+    want_skipped = {"exp-last": [], "mul-last": ["mul"], "detached": [], "detached-sum": [], "nested": ["matmul", "add"]}
 
     def grads(use: bool) -> list[np.ndarray]:
         x = dt.distribute_tensor(x0, mesh1d, [S0], src_data_rank=None, requires_grad=True)

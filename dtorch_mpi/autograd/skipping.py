@@ -13,9 +13,9 @@ zeros of the forward's local shape and dtype.
 saves, nodes in recording order) which nodes may be skipped: a node whose backward keeps its
 own output never; otherwise one whose every consumer among the recorded nodes is skipped too and
 keeps no input (so a zero result is never saved, nor computed from), and only when no node
-recorded after the first skipped one keeps a value (an input; its output, if computed) while
-taking an operand no edge describes: a value an unrecorded operation made (``t.detach() * 2``),
-which could come from a zero result. A node whose
+recorded after the first skipped one is computed from, or keeps, a tensor operand no edge
+describes: a value an unrecorded operation made (``t.detach() * 2``), which could come from a
+zero result (scalar operands are constants). A node whose
 recorder did not say what it saves (a redistribute, an embedding, a loss) is computed, and so
 are its producers. :func:`stand_in` is asked by every operator before its kernel runs.
 """
@@ -67,7 +67,8 @@ ACTIVE: Plan | None = None
 
 
 def operand_shapes(operands: Sequence[Any]) -> tuple[Any, ...]:
-    return tuple(getattr(t, "shape", None) for t in operands)
+    """Each operand's global shape; None for a scalar (a constant, never a computed value)."""
+    return tuple(t.shape if hasattr(t, "_spec") else None for t in operands)
 
 
 def plan(recorded: Sequence[Recorded]) -> dict[int, Skip]:
@@ -86,12 +87,12 @@ def plan(recorded: Sequence[Recorded]) -> dict[int, Skip]:
             continue
         if all(j in skip and not _keeps_inputs(recorded[j]) for j in consumers[i]):
             skip.add(i)
-    if skip:  # a value no edge describes, kept after the first skip, could come from a zero result
+    if skip:  # a tensor no edge describes, used after the first skip, could come from a zero result
         first = min(skip)
         for j in range(first + 1, len(recorded)):
             r = recorded[j]
-            keeps = _keeps_inputs(r) or (j not in skip and bool(r.saves and r.saves[1]))
-            if keeps and None in r.node.next:
+            unknown = any(e is None and shape is not None for e, shape in zip(r.node.next, r.operands))
+            if unknown and (j not in skip or _keeps_inputs(r)):
                 return {}
     return {i: Skip(r.node.name, r.shape, r.dtype, r.operands) for i in sorted(skip) for r in [recorded[i]]}
 
