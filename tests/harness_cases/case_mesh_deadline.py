@@ -16,12 +16,12 @@ SIDE = MPI.COMM_WORLD.Dup()  # the test's own signal: "the others have timed out
 def test_a_rank_that_skips_the_mesh_leaves_the_others_at_the_deadline() -> None:
     if RANK == SIZE - 1:
         print(f"rank {RANK} skipped the mesh")
-        SIDE.recv(source=0)
+        for other in range(SIZE - 1):  # every other rank has timed out (a slower one, still
+            SIDE.recv(source=other)     # waiting, would otherwise see the late Idup complete)
         _late, request = MPI.COMM_WORLD.Idup()  # the call the others wait in, late
         request.Wait()
         return
     with pytest.raises(dt.CollectiveTimeoutError, match="DeviceMesh construction") as err:
         dt.init_device_mesh("cpu", (SIZE,))
     print(f"rank {RANK} raised CollectiveTimeoutError: {str(err.value)[:120]}")
-    if RANK == 0:
-        SIDE.send(None, dest=SIZE - 1)
+    SIDE.send(None, dest=SIZE - 1)
