@@ -16,8 +16,8 @@ With ``--jobs 2`` (``make test JOBS=2``) runs are made side by side while their 
 ``--rank-budget`` (cores + 1): in practice the 1-process run beside the 2-rank runs. The
 1-process run holds the tests that launch their own mpiexec jobs and wait for deadlines, so it
 leaves a core partly idle; a run of 3 or more ranks runs alone. On 2 cores it gained ~9 % on
-those runs in one try (the 2-rank runs took 2.5x as long beside it), so ``make test`` keeps 1. Each run's output goes to
-``.mpi-logs/<run>/output.txt`` and is printed whole when the run ends.
+those runs in one try (the 2-rank runs took 2.5x as long beside it), so ``make test`` keeps 1.
+Each run's output goes to ``.mpi-logs/<run>/output.txt`` and is printed whole when it ends.
 
 Runs write bytecode caches even where ``PYTHONDONTWRITEBYTECODE`` is set (it is dropped from the
 runs' environment unless a pass sets it): without them every rank of every run compiled the

@@ -23,7 +23,7 @@ are its producers. :func:`stand_in` is asked by every operator before its kernel
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .graph import Node, Saves
@@ -54,12 +54,11 @@ class Skip:
 
 @dataclass
 class Plan:
-    """A recompute's skips: recording index -> the forward's record of it; ``count`` nodes
-    recorded so far by the recompute; ``skipped``: the indices it skipped."""
+    """A recompute's skips (recording index -> what the forward recorded there) and ``count``,
+    the nodes the recompute has recorded so far."""
 
     skip: dict[int, Skip]
     count: int = 0
-    skipped: list[int] = field(default_factory=list)
 
 
 ACTIVE: Plan | None = None
@@ -111,6 +110,5 @@ def stand_in(name: str, operands: Sequence[Any], xp: Any) -> Any:
     r = active.skip.get(active.count)
     if r is None or r.name != name or r.operands != operand_shapes(operands):
         return None
-    active.skipped.append(active.count)
     shape, dtype = r.shape, r.dtype
     return lambda *args, **kwargs: xp.zeros(shape, dtype)
