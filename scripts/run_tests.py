@@ -66,6 +66,7 @@ class Result:
     seconds: float
     counts: dict[str, int]
     reported: bool  # whether a JUnit report was read
+    logdir: str = ""  # its output.txt and, under mpiexec, the other ranks' rankN.log
 
 
 def parse_pass(text: str, defaults: Pass) -> Pass:
@@ -194,7 +195,24 @@ def finish_run(run: Started, rc: int) -> Result:
         print(f"!!! run exceeded {run.limit}s and was killed", flush=True)
     print(f"=== exit {rc} after {seconds:.1f}s", flush=True)
     got = report_counts(os.path.join(os.path.dirname(run.log), "junit.xml"))
-    return Result(run.label, rc, seconds, got or dict.fromkeys(KEYS, 0), got is not None)
+    return Result(run.label, rc, seconds, got or dict.fromkeys(KEYS, 0), got is not None, os.path.dirname(run.log))
+
+
+CLUES = ("Traceback", "Error", "error:", "uncaught", "BAD TERMINATION", "Abort", "Segmentation", "killed")
+
+
+def unexplained_exit(result: Result, lines: int = 12) -> str:
+    """Why a run exited non-zero with no failure in its report: the lines of its ranks' logs that
+    look like the cause (CI keeps only the end of the output, so these are printed beside the
+    summary, not only in the run's output far above)."""
+    logdir = result.logdir
+    found: list[str] = []
+    for name in sorted(os.listdir(logdir)) if os.path.isdir(logdir) else []:
+        if name == "output.txt" or name.endswith(".log"):
+            with open(os.path.join(logdir, name), errors="replace") as fh:
+                found += [f"  {name}: {line.rstrip()[:200]}" for line in fh if any(c in line for c in CLUES)]
+    head = f"{result.label} exited {result.rc} with no failure in its report; its logs' error lines:"
+    return "\n".join([head, *(found[-lines:] or ["  (none: see .mpi-logs)"])])
 
 
 def run_all(runs: list[tuple[Pass, str, int, bool]], extra: list[str], limit: int, budget: int,
@@ -279,6 +297,9 @@ def main() -> int:
     print(f"  {'all runs':<24} {sum(r.seconds for r in results):6.1f}s")
     if bad_runs:
         print("failed runs: " + ", ".join(bad_runs))
+        for r in results:
+            if r.rc not in OK and r.counts["failed"] == 0 and r.counts["errors"] == 0:
+                print(unexplained_exit(r))
     print(f"total: {total['passed']} passed, {total['failed'] + total['errors']} failed, {total['skipped']} skipped")
     return 1 if bad_runs else 0
 
