@@ -2,6 +2,8 @@
 
 Errors travel as UTF-8 bytes in buffer collectives (no pickles). The rules, each named once:
 - ``agreed(comm)`` / ``agree(comm, error)``: a check whose outcome can differ between ranks;
+  ``agreed_min`` / ``agreed_allgather``: the same agreement carried by a collective that the
+  caller needs anyway (one collective instead of two where no rank failed);
 - ``require_same(comm, values, ...)``: every rank holds the same values (one small Allreduce
   of fingerprints, carrying the caller's own status too);
 - ``raise_divergence``: the slow path that names each rank's value.
@@ -10,7 +12,7 @@ Errors travel as UTF-8 bytes in buffer collectives (no pickles). The rules, each
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import NoReturn
 
@@ -81,6 +83,34 @@ def agree(comm: MPI.Intracomm | None, error: BaseException | None) -> None:
     if error is not None and type(error) is cls and str(error) == text:
         raise error
     raise cls(text) from error
+
+
+def agreed_min(comm: MPI.Intracomm | None, problem: BaseException | None, values: Sequence[int]) -> np.ndarray:
+    """:func:`agree` on ``problem`` and the element-wise least of ``values`` over the ranks, in one
+    Allreduce (MIN) where none failed. Where some rank failed, every rank raises as ``agree``
+    does (``values`` then may be placeholders of the same length). A value one rank chooses for
+    all, such as a random name from rank 0, travels as that rank's value with every other rank
+    giving ``INT64_MAX``."""
+    mine = np.array([-1 if problem is not None else 0, *values], dtype=np.int64)
+    if comm is None or comm == MPI.COMM_NULL or comm.Get_size() == 1:
+        agree(comm, problem)
+        return mine[1:]
+    low = np.empty_like(mine)
+    wait_request(comm.Iallreduce(mine, low, op=MPI.MIN), "the library's error agreement (Allreduce)")
+    if low[0]:
+        agree(comm, problem)
+    return low[1:]
+
+
+def agreed_allgather(comm: MPI.Intracomm, problem: BaseException | None, value: int) -> np.ndarray:
+    """:func:`agree` on ``problem`` and every rank's ``value`` (an int64 per rank, in rank order),
+    in one Allgather where none failed; where some rank failed, every rank raises as ``agree`` does."""
+    mine = np.array([1 if problem is not None else 0, value], dtype=np.int64)
+    every = np.empty((comm.Get_size(), 2), dtype=np.int64)
+    wait_request(comm.Iallgather(mine, every), "the library's error agreement (Allgather)")
+    if every[:, 0].any():
+        agree(comm, problem)
+    return every[:, 1].copy()
 
 
 @contextmanager

@@ -519,6 +519,60 @@ def test_io_error_in_a_collective_write_raises_everywhere(mesh1d: dt.DeviceMesh,
         assert np.array_equal(v.to_torch(), fulls[k])
 
 
+def _fails_on(rank: int, real: Any, error: Exception) -> Any:
+    """``real``, raising ``error`` instead on ``rank``."""
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if RANK == rank:
+            raise error
+        return real(*args, **kwargs)
+    return failing
+
+
+@pytest.mark.parametrize("stage", ["structure", "directory", "reduce", "pieces", "exchange", "finish"])
+def test_a_save_failing_on_one_rank_at_any_step_fails_everywhere(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                                monkeypatch: pytest.MonkeyPatch, stage: str) -> None:
+    """Each step of a save agrees on its errors in a collective it makes anyway (spmd.agreed_min,
+    agreed_allgather, pieces.exchange, the end of Job.run): a failure on one rank at any of them
+    raises on every rank, names that rank, and leaves the previous file intact with no temporary."""
+    path = os.path.join(shared_dir, "steps.h5")
+    fulls, sd = state(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    dt.save(sd, path)
+    before = open(path, "rb").read() if RANK == 0 else b""
+    last = SIZE - 1
+    planted = OSError(5, f"planted failure at {stage}")
+    if stage == "structure":  # (a refused value raises CheckpointError there)
+        monkeypatch.setattr(ck.tree, "flatten", _fails_on(last, ck.tree.flatten, dt.CheckpointError(str(planted))))
+    elif stage == "directory":
+        real_isdir = os.path.isdir  # a directory one rank does not see (node-local storage)
+        monkeypatch.setattr(ck.os.path, "isdir", lambda d: RANK != last and real_isdir(d))
+    elif stage == "reduce":  # after the last tensor's reduction (a failure inside one is the collective's own)
+        real_writable, calls = ck._writable, {"n": 0}
+
+        def writable_then_fail(value: Any) -> Any:
+            out = real_writable(value)
+            calls["n"] += 1
+            if RANK == last and calls["n"] == len(sd):
+                raise planted
+            return out
+        monkeypatch.setattr(ck, "_writable", writable_then_fail)
+    elif stage == "pieces":
+        monkeypatch.setattr(ck, "_slab", _fails_on(last, ck._slab, planted))
+    elif stage == "exchange":
+        monkeypatch.setattr(ck._Slab, "own", _fails_on(last, ck._Slab.own, planted))
+    else:
+        monkeypatch.setattr(ck, "_fsync_file", _fails_on(0, ck._fsync_file, planted))
+    for v in sd.values():
+        v.to_local()[...] = 7
+    failing = 0 if stage == "finish" else last
+    pattern = "does not exist" if stage == "directory" else f"planted failure at {stage}"
+    with pytest.raises(dt.CheckpointError, match=pattern) as raised:
+        dt.save(sd, path)
+    if SIZE > 1:
+        assert f"rank {failing}" in str(raised.value), str(raised.value)
+    monkeypatch.undo()
+    assert_previous_file_intact(path, before, shared_dir)
+
+
 def test_chunked_staging_notices_a_file_changing_between_passes(mesh1d: dt.DeviceMesh, shared_dir: str,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """staging='chunks' reads twice; data that differs in the second read raises on every rank."""

@@ -9,8 +9,10 @@ save's communicator); the leader takes the headers, then dataset by dataset rece
 pieces in rank order and writes those that continue each other along dim 0 as one hyperslab
 (consecutive ranks' ``Shard(0)`` pieces: one write per dataset and node; it holds at most
 about ``RUN_BYTES`` of other ranks' pieces, or one piece if larger). The leaders take turns,
-one world barrier per node. A write that fails on a leader stops its writes but not its
-receives (its node's ranks finish their sends); the caller agrees the error across ranks.
+one world barrier between two nodes' turns. Which rank leads each rank's node comes from one
+Allgather of ``_mpi.node_id`` that the save makes anyway (it agrees on its errors too). A write
+that fails on a leader stops its writes but not its receives (its node's ranks finish their
+sends); the caller agrees the error across ranks.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .._mpi import node_id
 from ..comm.deadline import wait_request
 
 _TAG = 0x2F5A  # the funnel's point-to-point messages (a tag of their own; collectives never match them)
@@ -30,14 +31,6 @@ RUN_BYTES = 16 << 20  # a leader joins adjacent pieces into writes of about this
 
 Piece = tuple[Any, Any, Any]  # (offset, shape, data) of one rank's part of one dataset
 WritePiece = Callable[[int, Piece], None]  # (slab index, piece) -> written
-
-
-def leaders(world: MPI.Intracomm) -> np.ndarray:
-    """Every rank's node leader (world ranks; collective: one ``Allgather`` of an int64)."""
-    out = np.empty(world.Get_size(), dtype=np.int64)
-    wait_request(world.Iallgather(np.array([node_id()], dtype=np.int64), out),
-                 "the checkpoint save's node layout (Allgather)")
-    return out
 
 
 def send(world: MPI.Intracomm, leader: int, mine: list[tuple[int, Piece]]) -> list[MPI.Request]:

@@ -32,6 +32,7 @@ from mpi4py import MPI
 
 from ..comm.deadline import wait_request
 from ..errors import CheckpointError
+from ..spmd import agree
 from .checksum import canonical, digest, running_digest
 
 ATTRIBUTE = "pieces"
@@ -68,16 +69,22 @@ def table_bytes(pieces: int, ndim: int) -> int:
     return pieces * (2 * ndim + 1) * 8
 
 
-def exchange(world: Any, mine: Sequence[Own]) -> list[Summary]:
+def exchange(world: Any, mine: Sequence[Own], problem: BaseException | None = None) -> list[Summary]:
     """Every dataset's ``Summary`` from each rank's ``Own`` parts (collective over ``world``):
-    one Allreduce of ``3 * len(mine)`` words, then the rows of the tables that are kept (see the
-    module's docstring): per rank, O(datasets + the rows kept) bytes whatever the rank count."""
-    sums = np.zeros((3, len(mine)), dtype=np.uint64)
+    one Allreduce of ``3 * len(mine) + 1`` words, then the rows of the tables that are kept (see
+    the module's docstring): per rank, O(datasets + the rows kept) bytes whatever the rank count.
+    The extra word counts the ranks that bring a ``problem``: where any does, every rank raises
+    (``spmd.agree``) before the tables."""
+    words = np.zeros(3 * len(mine) + 1, dtype=np.uint64)
+    sums = words[:-1].reshape(3, len(mine))
     for k, own in enumerate(mine):
         sums[:, k] = own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None
-    total = np.empty_like(sums)
-    if sums.size:
-        wait_request(world.Iallreduce(sums, total, op=MPI.SUM), "the checkpoint save's checksum exchange (Allreduce)")
+    words[-1] = problem is not None
+    every = np.empty_like(words)
+    wait_request(world.Iallreduce(words, every, op=MPI.SUM), "the checkpoint save's checksum exchange (Allreduce)")
+    if every[-1]:
+        agree(world, problem)
+    total = every[:-1].reshape(3, len(mine))
     kept = [bool(n) and table_bytes(int(n), own.ndim) <= MAX_TABLE_BYTES for n, own in zip(total[2], mine)]
     tables = _gather_rows(world, mine, kept) if any(kept) else {}
     return [Summary(int(term), int(written), tables.get(k)) for k, (term, written) in enumerate(zip(total[0], total[1]))]

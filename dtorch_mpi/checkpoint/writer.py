@@ -15,9 +15,9 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import secrets
 import sys
 import threading
-import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,12 +27,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .._mpi import library_world
+from .._mpi import library_world, node_id
 from ..comm.deadline import wait_request
 from ..dtensor import DTensor
 from ..errors import CheckpointError
 from ..placement import Partial, Replicate, Shard
-from ..spmd import agreed, require_same
+from ..spmd import agree, agreed, agreed_allgather, agreed_min, require_same
 from . import funnel, pieces, pytypes, tree, validate
 from .checksum import checksum, require_hasher
 from .h5lib import LOCK, fixed, has_parallel_hdf5
@@ -41,6 +41,7 @@ from .h5lib import h5py as _h5py
 from .validate import FORMAT, VERSION
 
 PROGRESS_THRESHOLD = 64 << 20
+_UNCHOSEN = np.iinfo(np.int64).max  # what ranks other than 0 give to a MIN that carries rank 0's choice
 _warned = False
 
 
@@ -67,16 +68,18 @@ def _writer_piece(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...], Any] | 
     return offset, shape, np.ascontiguousarray(local).reshape(shape)  # ascontiguousarray makes 0-d 1-d
 
 
-def _writing_copies(world: MPI.Intracomm, tensors: Mapping[str, DTensor]) -> dict[str, bool]:
+def _writing_copies(world: MPI.Intracomm, tensors: Mapping[str, DTensor] | None, count: int,
+                    problem: BaseException | None) -> dict[str, bool]:
     """Whether this rank's mesh writes each tensor. The disjoint meshes that may hold one key
     (``mesh["tp"]`` of each dp row holds the same tensor) are copies of it: the one holding the
-    lowest world rank writes, so every element is written once (one Allreduce)."""
+    lowest world rank writes, so every element is written once. One Allreduce, which also agrees
+    on ``problem`` (``tensors`` is None then; ``count`` tensors on every rank, as
+    ``_same_everywhere`` agreed)."""
     size = world.Get_size()
-    mine = np.array([int(t.device_mesh.mesh.min()) if t.device_mesh.get_coordinate() is not None else size
-                     for t in tensors.values()], dtype=np.int64)
-    lowest = np.empty_like(mine)
-    if len(mine):  # the same number of tensors on every rank (agreed by _same_everywhere)
-        wait_request(world.Iallreduce(mine, lowest, op=MPI.MIN), "the checkpoint save's choice of writers (Allreduce)")
+    mine = [size] * count if tensors is None else [
+        int(t.device_mesh.mesh.min()) if t.device_mesh.get_coordinate() is not None else size for t in tensors.values()]
+    lowest = agreed_min(world, problem, mine)
+    assert tensors is not None  # (agreed_min raised on every rank otherwise)
     return {key: bool(m == low) for key, m, low in zip(tensors, mine, lowest)}
 
 
@@ -249,10 +252,14 @@ class _Job:
     slabs: list[_Slab]
     parallel: bool
     write_bytes: int | None = None  # an async save's bytes per write call (None: one call per piece)
-    node_of: Any = None  # without MPI in h5py: every rank's node writer (funnel.leaders)
+    node_of: Any = None  # without MPI in h5py: every rank's node writer (_mpi.node_id of each rank)
 
     def run(self, comm: MPI.Intracomm) -> None:
-        """Create, write, fsync and rename ``tmp`` (collective over ``comm``, agreed throughout)."""
+        """Create, write, fsync and rename ``tmp`` (collective over ``comm``, agreed throughout).
+
+        The writers agree on their own errors as they go; what is left after them is rank 0's
+        (the serial path's checksum attributes, fsync, rename), so one agreement at the end both
+        reports it everywhere and keeps every rank from returning before the file is in place."""
         rank = comm.Get_rank()
         try:
             with agreed(comm):
@@ -264,8 +271,6 @@ class _Job:
                                       self.node_of)
                 if rank == 0:
                     _fsync_file(self.tmp)
-            with agreed(comm):
-                if rank == 0:
                     os.replace(self.tmp, self.path)
                     _fsync_dir(os.path.dirname(self.path))
         except Exception as exc:
@@ -274,16 +279,20 @@ class _Job:
             if isinstance(exc, CheckpointError):
                 raise
             raise CheckpointError(f"saving {self.path} failed: {exc}") from exc
-        wait_request(comm.Ibarrier(), "the end of the checkpoint save (Barrier)")
 
 
 def _prepare(world: MPI.Intracomm, obj: Any, path: str | os.PathLike, *, copy: bool) -> _Job:
     """The part of a save that uses the library's collectives (on the calling thread): agreement,
-    Partial tensors reduced, writers chosen, this rank's pieces (``copy``: its own copies)."""
+    Partial tensors reduced, writers chosen, this rank's pieces (``copy``: its own copies).
+    Each agreement rides on a collective the save needs anyway (four in all where nothing
+    fails: the structure; the directory, with rank 0's file name; the writers; the pieces, with
+    the node layout on the serial path)."""
     rank = world.Get_rank()
     path = os.path.abspath(os.fspath(path))
     directory = os.path.dirname(path)
-    with agreed(world):
+    problem: Exception | None = None
+    structure = ""
+    try:
         h5py = _h5py()  # h5py and xxhash on every rank (some may have nothing to hash)
         require_hasher()
         if not isinstance(obj, Mapping):
@@ -291,27 +300,39 @@ def _prepare(world: MPI.Intracomm, obj: Any, path: str | os.PathLike, *, copy: b
         layout = tree.flatten(obj)
         wholes = {leaf.key: (array, checksum(array, (0,) * array.ndim, array.shape))
                   for leaf in layout.leaves if not isinstance(leaf.value, DTensor) for array in [_complete(leaf)]}
-    with agreed(world):
-        _same_everywhere(world, {"paths": ("path", path),
-                                 "state_dicts": ("keys, shapes, dtypes, placements or values",
-                                                 repr((sorted(layout.groups.items()), _describe(layout.leaves, wholes))))})
-        if not os.path.isdir(directory):
-            raise CheckpointError(f"cannot save to {path}: directory {directory} does not exist")
-    token_buf = np.frombuffer(uuid.uuid4().hex.encode(), dtype=np.uint8).copy()
-    wait_request(world.Ibcast(token_buf, root=0), "the checkpoint save's file name (Bcast)")
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{token_buf.tobytes().decode()}.tmp")
+        structure = repr((sorted(layout.groups.items()), _describe(layout.leaves, wholes)))
+    except Exception as exc:
+        problem = exc
+    _same_everywhere(world, {"paths": ("path", path),
+                             "state_dicts": ("keys, shapes, dtypes, placements or values", structure)}, problem)
+    missing = None if os.path.isdir(directory) else \
+        CheckpointError(f"cannot save to {path}: directory {directory} does not exist")
+    token = agreed_min(world, missing, [secrets.randbits(62) if rank == 0 else _UNCHOSEN for _ in range(2)])
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{int(token[0]):016x}{int(token[1]):016x}.tmp")
+    tensors = [leaf for leaf in layout.leaves if isinstance(leaf.value, DTensor)]
     try:
-        with agreed(world):  # the collective part (Partial tensors are reduced) before the local part
-            writable = {leaf.key: _writable(leaf.value) for leaf in layout.leaves if isinstance(leaf.value, DTensor)}
-        writes = _writing_copies(world, writable)
-        with agreed(world):
+        writable = None
+        try:  # the collective part (Partial tensors are reduced) before the local part
+            writable = {leaf.key: _writable(leaf.value) for leaf in tensors}
+        except Exception as exc:
+            problem = exc
+        writes = _writing_copies(world, writable, len(tensors), problem)
+        assert writable is not None
+        slabs: list[_Slab] = []
+        try:
             slabs = [_slab(leaf, writable, writes, wholes, rank, copy) for leaf in layout.leaves]
+        except Exception as exc:
+            problem = exc
+        parallel = has_parallel_hdf5()
+        node_of = None
+        if parallel:
+            agree(world, problem)
+        else:  # every rank's node writer (its node's lowest rank), in the same collective
+            node_of = agreed_allgather(world, problem, node_id())
     except Exception as exc:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"saving {path} failed: {exc}") from exc
-    parallel = has_parallel_hdf5()
-    node_of = None if parallel else funnel.leaders(world)  # (a collective: on the calling thread)
     return _Job(h5py, path, tmp, layout.groups, slabs, parallel, ASYNC_WRITE_BYTES if copy else None, node_of)
 
 
@@ -378,11 +399,14 @@ def _wait_at_exit() -> None:
         sys.stderr.write(f"dtorch_mpi: the asynchronous checkpoint save failed: {exc}\n")
 
 
-def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]]) -> None:
+def _same_everywhere(world: MPI.Intracomm, facts: Mapping[str, tuple[str, str]],
+                     problem: BaseException | None = None) -> None:
     """``{argument: (what it holds, text)}``: raise (on every rank) for the first argument whose
-    text differs between ranks, naming each rank's text (one Allreduce for all of them)."""
+    text differs between ranks, naming each rank's text, after agreeing on this rank's own
+    ``problem`` (one Allreduce for all of it)."""
     require_same(world, {what: text for what, text in facts.values()}, error=CheckpointError,
-                 what={what: f"ranks passed different {argument}" for argument, (what, _) in facts.items()})
+                 what={what: f"ranks passed different {argument}" for argument, (what, _) in facts.items()},
+                 problem=problem)
 
 
 def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> dict[str, Any]:
@@ -403,11 +427,21 @@ def _create_datasets(f: Any, groups: Mapping[str, str], slabs: list[_Slab]) -> d
     return out
 
 
-def _exchanged_checksums(world: MPI.Intracomm, slabs: list[_Slab]) -> list[pieces.Summary]:
+def _exchanged_checksums(world: MPI.Intracomm, slabs: list[_Slab],
+                         problem: Exception | None = None) -> list[pieces.Summary]:
     """Every dataset's lin64 checksum and piece table (pieces.exchange; the same on every rank),
-    after checking that the written pieces cover each dataset once (the same verdict everywhere:
-    a tensor held on overlapping meshes would be written twice in places and never in others)."""
-    sums = pieces.exchange(world, [slab.own() for slab in slabs])
+    after agreeing on this rank's ``problem`` (in the exchange's first collective) and checking
+    that the written pieces cover each dataset once (the same verdict everywhere: a tensor held
+    on overlapping meshes would be written twice in places and never in others)."""
+    own: list[pieces.Own] = []
+    if problem is None:
+        try:
+            own = [slab.own() for slab in slabs]
+        except Exception as exc:
+            problem = exc
+    if problem is not None:
+        own = [pieces.Own(0, len(slab.shape), None) for slab in slabs]
+    sums = pieces.exchange(world, own, problem)
     for slab, summary in zip(slabs, sums):
         if summary.written != prod(slab.shape):
             raise CheckpointError(f"{slab.key}: the ranks wrote {summary.written} of its {prod(slab.shape)} elements; "
@@ -451,38 +485,37 @@ def _save_in_turn(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str
         warnings.warn("h5py has no MPI support: checkpoint nodes write in turn (slower); "
                       "install a parallel h5py for collective MPI-IO", stacklevel=3)
     _warned = True
-    with agreed(world):
-        if rank == 0:
-            with h5py.File(tmp, "w") as f:
-                _create_datasets(f, groups, slabs)
     error: Exception | None = None
     mine = [(i, slab.piece) for i, slab in enumerate(slabs) if slab.piece is not None and prod(slab.piece[1])]
     leader = int(node_of[rank])  # one writer per node (checkpoint/funnel.py), the nodes in turn
     sends = [] if leader == rank else funnel.send(world, leader, mine)
-    for turn in sorted(set(node_of.tolist())):
-        if turn == rank:
+    for n, turn in enumerate(sorted(set(node_of.tolist()))):
+        if n:  # the previous node's writer has closed the file
+            wait_request(world.Ibarrier(), "the checkpoint save's writes, node by node (Barrier)")
+        if turn == rank:  # rank 0 leads the first turn: it creates the file, then writes its node's pieces
             members = [r for r in range(world.Get_size()) if node_of[r] == rank and r != rank]
-            error = _write_node(h5py, world, tmp, slabs, mine, members, write_bytes)
-        wait_request(world.Ibarrier(), "the checkpoint save's writes, node by node (Barrier)")
+            error = _write_node(h5py, world, tmp, slabs, mine, members, write_bytes, groups if n == 0 else None)
     for request in sends:
         wait_request(request, "the checkpoint save's pieces sent to the node's writer")
-    with agreed(world):
-        if error is not None:
-            raise error
-    sums = _exchanged_checksums(world, slabs)
-    with agreed(world):
-        if rank == 0:
-            with h5py.File(tmp, "r+") as f:
-                _set_checksums({slab.key: f[_group_path(slab.key)] for slab in slabs}, slabs, sums)
+    sums = _exchanged_checksums(world, slabs, error)  # every writer has closed the file once it returns
+    if rank == 0:  # (its failure is agreed by Job.run)
+        with h5py.File(tmp, "r+") as f:
+            _set_checksums({slab.key: f[_group_path(slab.key)] for slab in slabs}, slabs, sums)
 
 
 def _write_node(h5py: Any, world: MPI.Intracomm, tmp: str, slabs: list[_Slab], mine: list[tuple[int, Any]],
-                members: list[int], write_bytes: int | None) -> Exception | None:
-    """A node leader's turn: open the file once, write its pieces and its members' as they arrive."""
+                members: list[int], write_bytes: int | None, create: Mapping[str, str] | None) -> Exception | None:
+    """A node leader's turn: open the file once (the first turn's leader, rank 0, creates it with
+    its datasets: ``create`` holds the groups), write its pieces and its members' as they arrive."""
     opened: Exception | None = None
+    f = None
     try:
-        f = h5py.File(tmp, "r+")
+        f = h5py.File(tmp, "r+" if create is None else "w")
+        if create is not None:
+            _create_datasets(f, create, slabs)
     except Exception as exc:  # every piece then fails alike (the members' are still received)
+        if f is not None:
+            f.close()
         f, opened = None, exc
 
     def write(index: int, piece: Any) -> None:
