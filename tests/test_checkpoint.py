@@ -522,7 +522,7 @@ def test_io_error_in_a_collective_write_raises_everywhere(mesh1d: dt.DeviceMesh,
 def _fails_on(rank: int, real: Any, error: Exception) -> Any:
     """``real``, raising ``error`` instead on ``rank``."""
     def failing(*args: Any, **kwargs: Any) -> Any:
-        if RANK == rank:
+        if rank == RANK:
             raise error
         return real(*args, **kwargs)
     return failing
@@ -535,7 +535,7 @@ def test_a_save_failing_on_one_rank_at_any_step_fails_everywhere(mesh1d: dt.Devi
     agreed_allgather, pieces.exchange, the end of Job.run): a failure on one rank at any of them
     raises on every rank, names that rank, and leaves the previous file intact with no temporary."""
     path = os.path.join(shared_dir, "steps.h5")
-    fulls, sd = state(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
+    _, sd = state(mesh1d, LAYOUTS_1D, (N_ROWS, 3))
     dt.save(sd, path)
     before = open(path, "rb").read() if RANK == 0 else b""
     last = SIZE - 1
@@ -544,14 +544,14 @@ def test_a_save_failing_on_one_rank_at_any_step_fails_everywhere(mesh1d: dt.Devi
         monkeypatch.setattr(ck.tree, "flatten", _fails_on(last, ck.tree.flatten, dt.CheckpointError(str(planted))))
     elif stage == "directory":
         real_isdir = os.path.isdir  # a directory one rank does not see (node-local storage)
-        monkeypatch.setattr(ck.os.path, "isdir", lambda d: RANK != last and real_isdir(d))
+        monkeypatch.setattr(ck.os.path, "isdir", lambda d: last != RANK and real_isdir(d))
     elif stage == "reduce":  # after the last tensor's reduction (a failure inside one is the collective's own)
         real_writable, calls = ck._writable, {"n": 0}
 
         def writable_then_fail(value: Any) -> Any:
             out = real_writable(value)
             calls["n"] += 1
-            if RANK == last and calls["n"] == len(sd):
+            if last == RANK and calls["n"] == len(sd):
                 raise planted
             return out
         monkeypatch.setattr(ck, "_writable", writable_then_fail)

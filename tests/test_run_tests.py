@@ -63,3 +63,38 @@ def test_counts_come_from_the_junit_report(tmp_path: os.PathLike) -> None:
     with open(path, "w") as fh:
         fh.write("<testsuites><testsuite")  # a run killed while writing
     assert run_tests.report_counts(path) is None
+
+
+FAKE_PYTEST = """#!/bin/sh
+# stands in for 'python -m pytest ... --junitxml=PATH': writes a report of {failures} failure(s) out
+# of 3 tests and exits 1 on its first call (counted in {calls}), {second} on the next
+for arg in "$@"; do case "$arg" in --junitxml=*) report="${{arg#--junitxml=}}";; esac; done
+echo '<testsuites><testsuite name="pytest" errors="0" failures="{failures}" skipped="0" tests="3"></testsuite></testsuites>' > "$report"
+echo x >> {calls}
+[ "$(wc -l < {calls})" -gt 1 ] && exit {second}
+echo 'Exception ignored in: <generator object planted>'
+exit 1
+"""
+
+
+@pytest.mark.parametrize("failures, second, calls, rc", [(0, 0, 2, 0), (0, 1, 2, 1), (1, 0, 1, 1)])
+def test_a_run_that_exits_non_zero_with_every_test_passed_is_made_once_more(
+        tmp_path: os.PathLike, capsys: pytest.CaptureFixture[str], failures: int, second: int, calls: int,
+        rc: int) -> None:
+    """Exit 1 with a clean report (an error at pytest's end): made again, and the summary says
+    why; a second such exit fails, and a run with a failing test is never made again."""
+    counter = os.path.join(tmp_path, "calls")
+    script = os.path.join(tmp_path, "fake-python")
+    with open(script, "w") as fh:
+        fh.write(FAKE_PYTEST.format(failures=failures, calls=counter, second=second))
+    os.chmod(script, 0o755)
+    spec = run_tests.Pass(f"rerun-test-{failures}{second}", script, "mpiexec", [1], ["auto"])
+    rerun: dict[int, str] = {}
+    results = run_tests.run_all(run_tests.plan([spec], {2}), [], 60, 3, 1, rerun)
+    assert len(open(counter).read().split()) == calls
+    assert (results[0].rc != 0) == bool(rc)
+    if failures:
+        assert not rerun
+    else:
+        assert "exited 1 with no failure in its report" in rerun[0] and "planted" in rerun[0], rerun
+    assert "making" in capsys.readouterr().out or failures
