@@ -258,7 +258,8 @@ def test_files_without_tables_load_with_lin64(mesh1d: dt.DeviceMesh, mesh2d: dt.
 
 def test_a_table_over_the_limit_is_not_written(mesh1d: dt.DeviceMesh, shared_dir: str,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """A table over pieces.MAX_TABLE_BYTES (here: under one 40-byte row) is left out: lin64."""
+    """A table over pieces.MAX_TABLE_BYTES (here: under one 40-byte row) is left out: the fast
+    check is then the sum of the pieces' seeded digests (``xxsum``), and without it lin64."""
     from dtorch_mpi.checkpoint import pieces
 
     monkeypatch.setattr(pieces, "MAX_TABLE_BYTES", 39)
@@ -267,8 +268,16 @@ def test_a_table_over_the_limit_is_not_written(mesh1d: dt.DeviceMesh, shared_dir
     dt.save({"w": sharded(full, mesh1d, [dt.Shard(0)])}, path)
     if RANK == 0:
         with h5py.File(path, "r") as f:
-            assert "pieces" not in f["w"].attrs
+            assert "pieces" not in f["w"].attrs and "xxsum" in f["w"].attrs
     tgt = dt.zeros(SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    dt.load(path, {"w": tgt})
+    assert list(reader.VERIFIED.items()) == [("w", "xxh3 sum")], reader.VERIFIED
+    assert np.array_equal(tgt.to_torch(), full)
+    WORLD.Barrier()
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            del f["w"].attrs["xxsum"]  # as written before the sum check
+    WORLD.Barrier()
     dt.load(path, {"w": tgt})
     assert list(reader.VERIFIED.items()) == [("w", "lin64")], reader.VERIFIED
     assert np.array_equal(tgt.to_torch(), full)
@@ -279,7 +288,8 @@ def test_kept_and_left_out_tables_in_one_save(mesh1d: dt.DeviceMesh, shared_dir:
     """One save whose tables are kept for some datasets and left out for others (the limit at one
     2-d row): each kept table holds every writer's ``[offset, shape, xxh3]`` in rank order (the
     Allgatherv rows land in their own datasets), a left-out one is absent, and the same-layout
-    load takes xxh3 exactly where a table was kept."""
+    load takes xxh3 exactly where a table was kept, and the sum of seeded digests where one was
+    left out (lin64 for the empty dataset: nothing to sum)."""
     from dtorch_mpi.checkpoint import pieces
 
     monkeypatch.setattr(pieces, "MAX_TABLE_BYTES", 40)
@@ -309,7 +319,7 @@ def test_kept_and_left_out_tables_in_one_save(mesh1d: dt.DeviceMesh, shared_dir:
     for k, t in tgt.items():
         check.equal(t.to_torch(), fulls[k], k)
         rows = written[k]
-        want = "xxh3" if rows and len(rows) * (2 * t.ndim + 1) * 8 <= 40 else "lin64"
+        want = "xxh3" if rows and len(rows) * (2 * t.ndim + 1) * 8 <= 40 else "xxh3 sum" if t.numel() else "lin64"
         check.true(reader.VERIFIED[k] == want, f"{k}: verified by {reader.VERIFIED[k]}, expected {want}")
     check.done()
 
@@ -389,3 +399,111 @@ def test_strided_tiles_are_hashed_in_small_slabs_in_any_dims(monkeypatch: pytest
     digests = pieces.TileDigests((((0, 0, 16), (2, 64, 32), digest(tile)),))
     digests.update(0, full)
     assert not digests.mismatched()
+
+
+# ---- the sum check: no table (over the limit), the pieces' seeded digests summed over the ranks ----
+
+@pytest.mark.rank_independent
+def test_layout_tiling_finds_what_a_table_of_every_written_piece_would() -> None:
+    """pieces.layout_tiling, from the written layout and the split rule alone, gives the tiles
+    pieces.tiling finds in a table of every written piece (the oracle), for random shapes (0 to
+    6 long), meshes of 1-3 dims, nested shards and regions; each tile's seed is its global offset's."""
+    import itertools
+    import random
+
+    from dtorch_mpi.checkpoint import pieces
+    from dtorch_mpi.split import local_shape_and_offset
+
+    rng = random.Random(0)
+    for _ in range(400):
+        ndim = rng.randint(0, 3)
+        shape = tuple(rng.randint(0, 6) for _ in range(ndim))
+        mesh = tuple(rng.randint(1, 4) for _ in range(rng.randint(1, 3)))
+        written = tuple(rng.randint(-1, ndim - 1) if ndim else -1 for _ in mesh)
+        plc = tuple(dt.Shard(d) if d >= 0 else dt.Replicate() for d in written)
+        rows = sorted({(*off, *sh) for coord in itertools.product(*(range(k) for k in mesh))
+                       for sh, off in [local_shape_and_offset(shape, mesh, plc, coord)] if np.prod(sh, dtype=int)})
+        table = np.array([[*r, 0] for r in rows], dtype=np.uint64).reshape(len(rows), 2 * ndim + 1) if rows else None
+        for _ in range(8):
+            lo = tuple(rng.randint(0, n) for n in shape)
+            size = tuple(rng.randint(0, n - a) for n, a in zip(shape, lo))
+            got = pieces.layout_tiling(pieces.Layout(mesh, written), shape, lo, size)
+            want = pieces.tiling(table, lo, size) if np.prod(size, dtype=int) else ()
+            assert (got is None) == (want is None), (shape, mesh, written, lo, size, got, want)
+            if got is not None and want is not None:
+                assert sorted(t[:2] for t in got) == sorted(t[:2] for t in want), (shape, mesh, written, lo, size)
+                for offset, _, seed in got:
+                    assert seed == pieces.seed(tuple(a + b for a, b in zip(offset, lo)))
+    assert pieces.layout_tiling(pieces.Layout((4,), (0,)), (8,), (0,), (8,), limit=3) is None  # too many tiles
+
+
+def _save_without_tables(path: str, value: dict[str, dt.DTensor], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dtorch_mpi.checkpoint import pieces
+
+    with monkeypatch.context() as m:
+        m.setattr(pieces, "MAX_TABLE_BYTES", 0)
+        dt.save(value, path)
+
+
+@pytest.mark.parametrize("damage", ["swapped", "flipped"])
+@pytest.mark.parametrize("staging", STAGINGS)
+def test_the_sum_check_catches_swapped_pieces_and_a_flipped_byte(damage: str, staging: str, mesh1d: dt.DeviceMesh,
+                                                                 shared_dir: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each piece's digest is seeded with its offset, so two equal pieces' bytes swapped in the
+    file change the sum as a flipped byte does: every rank raises, nothing changes."""
+    rows = 2 * max(SIZE, 2)
+    full = full_value((rows, 3), 6)
+    path = os.path.join(shared_dir, "sums.h5")
+    _save_without_tables(path, {"w": sharded(full, mesh1d, [dt.Shard(0)])}, monkeypatch)
+    tgt = dt.zeros(rows, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    dt.load(path, {"w": tgt}, staging=staging)
+    assert reader.VERIFIED == {"w": "xxh3 sum"} and np.array_equal(tgt.to_torch(), full), reader.VERIFIED
+    WORLD.Barrier()
+    if RANK == 0:
+        if damage == "swapped":  # rows 0-1 and 2-3: two ranks' pieces (one piece's halves at 1 rank)
+            with h5py.File(path, "r+") as f:
+                f["w"][:4] = np.concatenate([full[2:4], full[0:2]])
+        else:
+            _flip(path, "w", 8 * 3 * (rows - 1))
+    WORLD.Barrier()
+    fresh = dt.zeros(rows, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    with pytest.raises(dt.CheckpointError, match="checksum mismatch"):
+        dt.load(path, {"w": fresh}, staging=staging)
+    assert not fresh.to_local().any(), "a failed load changed the target"
+
+
+@pytest.mark.max_ranks(2)
+@pytest.mark.parametrize("forged", ["xxsum-float", "mesh-float", "lengths", "written-out-of-range", "xxsum-wrong"])
+def test_forged_sum_attributes_are_refused_or_fall_back(forged: str, mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sum check's attributes are untrusted: a wrong type or length is refused by name, a
+    written dim the dataset lacks falls back to lin64 (right values), a wrong sum is a mismatch."""
+    full = full_value((2 * SIZE + 1, 3), 7)
+    path = os.path.join(shared_dir, "forged.h5")
+    _save_without_tables(path, {"w": sharded(full, mesh1d, [dt.Shard(0)])}, monkeypatch)
+    WORLD.Barrier()
+    if RANK == 0:
+        with h5py.File(path, "r+") as f:
+            attrs = f["w"].attrs
+            if forged == "xxsum-float":
+                attrs["xxsum"] = 1.5
+            elif forged == "mesh-float":
+                attrs["mesh_shape"] = np.array([1.0] * len(attrs["mesh_shape"]))
+            elif forged == "lengths":  # a 1-d mesh's shape, two written dims
+                attrs["written"] = np.array([0, 0], dtype=np.int64)
+            elif forged == "written-out-of-range":
+                attrs["written"] = np.array([5], dtype=np.int64)
+            else:
+                attrs["xxsum"] = np.uint64(int(attrs["xxsum"]) ^ 1)
+    WORLD.Barrier()
+    tgt = dt.zeros(2 * SIZE + 1, 3, dtype=np.float64, device_mesh=mesh1d, placements=[dt.Shard(0)])
+    if forged == "written-out-of-range":
+        dt.load(path, {"w": tgt})
+        assert reader.VERIFIED == {"w": "lin64"} and np.array_equal(tgt.to_torch(), full), reader.VERIFIED
+        return
+    pattern = {"xxsum-float": "'xxsum' must be a uint64", "mesh-float": "must be an int64 vector",
+               "lengths": "lengths", "xxsum-wrong": "checksum mismatch"}[forged]
+    with pytest.raises(dt.CheckpointError, match=pattern):
+        dt.load(path, {"w": tgt})
+    assert not tgt.to_local().any(), "a failed load changed the target"

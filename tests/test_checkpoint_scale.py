@@ -19,8 +19,9 @@ GOAL_BYTES, GOAL_SECONDS = 20 * 10**6, 0.3
 
 
 def test_a_sharded_save_at_4096_ranks_exchanges_metadata_per_dataset_not_per_rank() -> None:
-    """Every dataset Shard(0) over 4,096 ranks: one Allreduce of 3 words a dataset (the tables,
-    4,096 pieces each, are over the attribute limit: neither hashed nor gathered)."""
+    """Every dataset Shard(0) over 4,096 ranks: one Allreduce of 4 words a dataset (the tables,
+    4,096 pieces each, are over the attribute limit: neither hashed nor gathered; the sum of the
+    pieces' seeded digests takes their place)."""
     owns = sharded_owns(P, DATASETS)
     sums, peak, seconds = measured(lambda: save_after(P, owns))
     assert peak <= GOAL_BYTES and seconds <= GOAL_SECONDS, (peak, seconds)
@@ -28,6 +29,7 @@ def test_a_sharded_save_at_4096_ranks_exchanges_metadata_per_dataset_not_per_ran
     assert peak <= small + 64 * P, (peak, small)  # O(datasets + ranks), not ranks x datasets
     for k, summary in enumerate(sums):
         assert summary.checksum == expected_sum(big_term(k), P) and summary.written == 12 * P and summary.table is None
+        assert summary.xxsum == expected_sum(pieces.seeded_digest(owns[k].piece[2], (0, 0)), P)  # type: ignore[index]
 
 
 def test_a_save_whose_tables_fit_gathers_only_the_writers_rows() -> None:
@@ -59,3 +61,19 @@ def test_a_load_at_4096_ranks_reduces_its_checksums() -> None:
     small = measured(lambda: load_after(64, DATASETS))[1]
     assert peak <= small + 64 * P, (peak, small)  # O(datasets + ranks), not ranks x datasets
     assert sums == [expected_sum(big_term(k), P) for k in range(DATASETS)] + [P] * DATASETS
+
+
+def test_a_load_at_4096_ranks_keeps_the_fast_check_without_tables() -> None:
+    """No table (4,096 pieces each): the fast check comes from each dataset's written layout and
+    the split rule (pieces.layout_tiling), visiting only the pieces in this rank's region, so the
+    same-layout load of 1,000 datasets takes the sum check on every rank within goal."""
+    layout = pieces.Layout((P,), (0,))
+    shape = (3 * P + 5, 4)  # uneven: the first 5 pieces have 4 rows
+    for rank in (0, 7, P - 1):
+        size, at = (4, 4 * rank) if rank < 5 else (3, 3 * rank + 5)
+        tiles, peak, seconds = measured(lambda: [pieces.layout_tiling(layout, shape, (at, 0), (size, 4))
+                                                 for _ in range(DATASETS)])
+        assert peak <= GOAL_BYTES and seconds <= GOAL_SECONDS, (peak, seconds)
+        assert all(t == (((0, 0), (size, 4), pieces.seed((at, 0))),) for t in tiles), tiles[0]
+    whole = pieces.layout_tiling(layout, shape, (0, 0), shape)  # a replicated target: every piece
+    assert whole is not None and len(whole) == P

@@ -14,6 +14,16 @@ memory) and the rows, in one Allgatherv of the writers' rows (an Allgather of on
 sizes it). A table over the limit is neither computed nor written, and neither is an empty one:
 such datasets load with lin64.
 
+Where a table is left out (too many pieces), the fast check stays by a *sum* instead: every
+DTensor dataset also carries ``xxsum``, the sum mod 2**64 of its written pieces' digests, each
+seeded with the piece's global offset (``seeded_digest``: swapping two pieces changes the sum),
+and ``written`` beside ``mesh_shape``: the tensor dim each mesh dim of the writing mesh split
+(-1: none), from which the split rule gives every written piece (``layout_tiling``; the save's
+metadata stays one word per dataset). A load whose regions are made of whole written pieces adds
+the seeded digests of the pieces in its region; the sum over the ranks must be ``xxsum`` once per
+copy read (as lin64's terms are). Enumerating the pieces inside a region is O(its pieces), never
+O(ranks).
+
 A checkpoint is untrusted: ``check`` refuses a table of the wrong type or shape, a piece that is
 empty or reaches outside the dataset, and a region listed twice. A table only chooses which
 check runs: a region read that its listed pieces do not tile exactly (one reaching partly into
@@ -22,6 +32,7 @@ it, two overlapping, a gap) is verified with lin64.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from math import prod
@@ -32,11 +43,15 @@ from mpi4py import MPI
 
 from ..comm.deadline import wait_request
 from ..errors import CheckpointError
+from ..split import split_range
 from ..spmd import agree
-from .checksum import canonical, digest, running_digest
+from .checksum import canonical, digest, require_hasher, running_digest
 
 ATTRIBUTE = "pieces"
+SUM, WRITTEN, MESH = "xxsum", "written", "mesh_shape"  # the sum check's attributes
 MAX_TABLE_BYTES = 1 << 15
+MAX_MESH_DIMS = 16
+MAX_TILES = 1 << 16  # a region made of more written pieces than this is checked with lin64
 SLAB_BYTES = 1 << 20  # a strided part of a tile is hashed in contiguous copies of about this size
 Piece = tuple[tuple[int, ...], tuple[int, ...], Any]  # (global offset, shape, data) of one written hyperslab
 Tile = tuple[tuple[int, ...], tuple[int, ...], int]  # (offset in the region read, shape, recorded digest)
@@ -56,12 +71,33 @@ class Own:
 @dataclass(frozen=True)
 class Summary:
     """One dataset's save metadata, the same on every rank: its lin64 ``checksum``, the elements
-    ``written`` by all ranks (each piece counted once per writer) and its piece ``table`` (None when
-    no rank wrote a non-empty piece or the table is over ``MAX_TABLE_BYTES``)."""
+    ``written`` by all ranks (each piece counted once per writer), its piece ``table`` (None when
+    no rank wrote a non-empty piece or the table is over ``MAX_TABLE_BYTES``) and ``xxsum``, the
+    sum of the written pieces' seeded digests."""
 
     checksum: int
     written: int
     table: np.ndarray | None
+    xxsum: int = 0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a dataset was written: the writing mesh's shape and, per mesh dim, the tensor dim it
+    split (-1: it did not; the Partial tensors a save reduces are recorded as written)."""
+
+    mesh_shape: tuple[int, ...]
+    written: tuple[int, ...]
+
+
+def seed(offset: Sequence[int]) -> int:
+    """The digest seed of the piece at global ``offset``: ``xxh3_64`` of the offset's words."""
+    return int(require_hasher().xxh3_64_intdigest(np.asarray(offset, dtype="<u8").tobytes()))
+
+
+def seeded_digest(data: np.ndarray, offset: Sequence[int]) -> int:
+    """``xxh3_64`` of a piece's canonical bytes, seeded with its offset (``seed``)."""
+    return int(require_hasher().xxh3_64(canonical(data), seed=seed(offset)).intdigest())
 
 
 def table_bytes(pieces: int, ndim: int) -> int:
@@ -71,23 +107,25 @@ def table_bytes(pieces: int, ndim: int) -> int:
 
 def exchange(world: Any, mine: Sequence[Own], problem: BaseException | None = None) -> list[Summary]:
     """Every dataset's ``Summary`` from each rank's ``Own`` parts (collective over ``world``):
-    one Allreduce of ``3 * len(mine) + 1`` words, then the rows of the tables that are kept (see
+    one Allreduce of ``4 * len(mine) + 1`` words, then the rows of the tables that are kept (see
     the module's docstring): per rank, O(datasets + the rows kept) bytes whatever the rank count.
     The extra word counts the ranks that bring a ``problem``: where any does, every rank raises
     (``spmd.agree``) before the tables."""
-    words = np.zeros(3 * len(mine) + 1, dtype=np.uint64)
-    sums = words[:-1].reshape(3, len(mine))
+    words = np.zeros(4 * len(mine) + 1, dtype=np.uint64)
+    sums = words[:-1].reshape(4, len(mine))
     for k, own in enumerate(mine):
-        sums[:, k] = own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None
+        sums[:, k] = (own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None,
+                      seeded_digest(own.piece[2], own.piece[0]) if own.piece else 0)
     words[-1] = problem is not None
     every = np.empty_like(words)
     wait_request(world.Iallreduce(words, every, op=MPI.SUM), "the checkpoint save's checksum exchange (Allreduce)")
     if every[-1]:
         agree(world, problem)
-    total = every[:-1].reshape(3, len(mine))
+    total = every[:-1].reshape(4, len(mine))
     kept = [bool(n) and table_bytes(int(n), own.ndim) <= MAX_TABLE_BYTES for n, own in zip(total[2], mine)]
     tables = _gather_rows(world, mine, kept) if any(kept) else {}
-    return [Summary(int(term), int(written), tables.get(k)) for k, (term, written) in enumerate(zip(total[0], total[1]))]
+    return [Summary(int(term), int(written), tables.get(k), int(xxsum))
+            for k, (term, written, xxsum) in enumerate(zip(total[0], total[1], total[3]))]
 
 
 def _gather_rows(world: Any, mine: Sequence[Own], kept: Sequence[bool]) -> dict[int, np.ndarray]:
@@ -177,14 +215,86 @@ def tiling(table: np.ndarray | None, offset: tuple[int, ...], shape: tuple[int, 
                  for start, size, d in zip(starts, sizes, digests))
 
 
+def check_written(mesh_shape: Any, written: Any, shape: tuple[int, ...], what: str) -> Layout | None:
+    """The stored ``mesh_shape`` and ``written`` attributes, validated: int64 vectors of one
+    length (1 to ``MAX_MESH_DIMS``), mesh sizes >= 1, written dims >= -1. None (no sum check:
+    lin64) when a written dim is not a dim of the dataset's ``shape``."""
+    bad = f"{what}: attributes {MESH!r} and {WRITTEN!r} (how the dataset was written)"
+    for name, value in ((MESH, mesh_shape), (WRITTEN, written)):
+        if not isinstance(value, np.ndarray) or value.dtype != np.int64 or value.ndim != 1:
+            raise CheckpointError(f"{bad}: {name!r} must be an int64 vector, got "
+                                  f"{getattr(value, 'dtype', type(value).__name__)}; the file's metadata is damaged")
+    if not 1 <= len(mesh_shape) <= MAX_MESH_DIMS or len(written) != len(mesh_shape):
+        raise CheckpointError(f"{bad}: lengths {len(mesh_shape)} and {len(written)} (1 to {MAX_MESH_DIMS}, equal); "
+                              f"the file's metadata is damaged")
+    if (mesh_shape < 1).any() or (written < -1).any():
+        raise CheckpointError(f"{bad}: mesh shape {mesh_shape.tolist()} or written dims {written.tolist()} out of "
+                              f"range; the file's metadata is damaged")
+    if (written >= len(shape)).any():
+        return None  # it does not fit this dataset (one refused as a tensor later): lin64 checks it
+    return Layout(tuple(int(n) for n in mesh_shape), tuple(int(d) for d in written))
+
+
+def _piece_index(x: int, base: int, extra: int) -> int:
+    """Which piece of the balanced split (``extra`` pieces of ``base + 1``, then ``base``) holds ``x``."""
+    big = base + 1
+    return x // big if x < extra * big else extra + (x - extra * big) // base
+
+
+def _spans(lo: int, hi: int, start: int, length: int, parts: Sequence[int], limit: int) -> list[tuple[int, int]] | None:
+    """The non-empty written pieces, as ``(begin, end)``, of ``[start, start + length)`` split by
+    ``parts`` in turn (nested shards) that lie in ``[lo, hi)``; None when one reaches partly into
+    it, or when more than ``limit`` do. Only the pieces overlapping ``[lo, hi)`` are visited."""
+    if not length or hi <= start or lo >= start + length:
+        return []
+    if not parts:
+        return [(start, start + length)] if lo <= start and start + length <= hi else None
+    base, extra = divmod(length, parts[0])
+    first = _piece_index(max(lo, start) - start, base, extra)
+    last = _piece_index(min(hi, start + length) - 1 - start, base, extra)
+    if last - first >= limit:
+        return None
+    out: list[tuple[int, int]] = []
+    for i in range(first, last + 1):
+        size, at = split_range(length, parts[0], i)
+        inner = _spans(lo, hi, start + at, size, parts[1:], limit)
+        if inner is None or len(out) + len(inner) > limit:
+            return None
+        out += inner
+    return out
+
+
+def layout_tiling(layout: Layout, shape: tuple[int, ...], offset: tuple[int, ...], region: tuple[int, ...],
+                  limit: int = MAX_TILES) -> tuple[Tile, ...] | None:
+    """The written pieces (from ``layout`` and the split rule) that tile the region at ``offset``
+    with shape ``region`` of a dataset of ``shape``, each as (offset in the region, shape, its
+    ``seed``), or None when they do not tile it exactly (or more than ``limit`` would). An empty
+    region needs none: ()."""
+    if not prod(region):
+        return ()
+    per_dim = []
+    for dim, (length, lo, size) in enumerate(zip(shape, offset, region)):
+        parts = [n for n, d in zip(layout.mesh_shape, layout.written) if d == dim]
+        spans = _spans(lo, lo + size, 0, length, parts, limit)
+        if spans is None:
+            return None
+        per_dim.append(spans)
+    if prod(len(spans) for spans in per_dim) > limit:
+        return None
+    return tuple((tuple(a - o for (a, _), o in zip(combo, offset)), tuple(b - a for a, b in combo),
+                  seed(tuple(a for a, _ in combo))) for combo in itertools.product(*per_dim))
+
+
 class TileDigests:
     """The running ``xxh3_64`` of each tile of a region, fed the region's rows in order (the
     whole region at once, or chunks along its first dim): a tile's rows arrive in order, so its
     digest is that of its bytes in C order, as the save computed it."""
 
-    def __init__(self, tiles: tuple[Tile, ...]) -> None:
+    def __init__(self, tiles: tuple[Tile, ...], seeded: bool = False) -> None:
+        """``seeded``: the tiles' third field is each one's seed (``layout_tiling``), not a
+        recorded digest; ``total`` then gives the sum of their seeded digests."""
         self._tiles = tiles
-        self._hashers = [running_digest() for _ in tiles]
+        self._hashers = [require_hasher().xxh3_64(seed=tile[2]) if seeded else running_digest() for tile in tiles]
 
     def update(self, row: int, block: np.ndarray) -> None:
         """Add ``block``: the region's rows from ``row`` on (a 0-d region is one block)."""
@@ -201,6 +311,10 @@ class TileDigests:
     def mismatched(self) -> bool:
         """Whether any tile's bytes differ from its recorded digest."""
         return any(hasher.intdigest() != digest for (_, _, digest), hasher in zip(self._tiles, self._hashers))
+
+    def total(self) -> int:
+        """The sum mod 2**64 of the tiles' digests (seeded ones: the sum check's term)."""
+        return sum(hasher.intdigest() for hasher in self._hashers) & 0xFFFFFFFFFFFFFFFF
 
 
 def _slabs(part: np.ndarray) -> Iterator[np.ndarray]:

@@ -1,7 +1,7 @@
 """Reading validated datasets into parameters: verified against the stored checksums, and only
 then installed, so a failed load changes nothing.
 
-Every rank reads its own hyperslab in the file's dtype and checks it in one of two ways, the
+Every rank reads its own hyperslab in the file's dtype and checks it in one of three ways, the
 same for a dataset on every rank:
 
 - ``"xxh3"`` (fast path): when every rank's region is tiled exactly by pieces of the dataset's
@@ -10,6 +10,10 @@ same for a dataset on every rank:
   with that piece's digest. Each rank decides from the table and its own region; one small
   Allreduce makes the choice common (a rank's verdict alone would not do: lin64 needs every
   rank's term).
+- ``"xxh3 sum"`` (fast path without a table, one over the attribute limit): the pieces tiling
+  each region come from the dataset's written layout (``pieces.layout_tiling``); each rank adds
+  their offset-seeded ``xxh3_64``, and the sum over the ranks must be the stored ``xxsum`` once
+  per copy read, as lin64's terms are.
 - ``"lin64"`` otherwise: each rank adds its checksum term (checksum.py), and each dataset's sum
   must equal its stored checksum times the number of ranks of the world that read each element
   (replicas all read and all verify; so does every sub-mesh loading the key: ``copies_read``,
@@ -59,7 +63,7 @@ CHUNK_BYTES = 16 << 20
 Block = tuple[tuple[int, ...], tuple[int, ...]]  # (global offset, shape) of one hyperslab read
 Tiles = tuple[pieces.Tile, ...]  # the recorded pieces tiling one region read (pieces.tiling)
 VERIFIED: dict[str, str] = {}
-"""Dataset key -> ``"xxh3"`` or ``"lin64"``: the check chosen for each DTensor dataset of this
+"""Dataset key -> ``"xxh3"``, ``"xxh3 sum"`` or ``"lin64"``: the check chosen for each DTensor dataset of this
 rank's latest load (set once the choice is agreed, before reading: a load that then fails
 still shows its choice; complete arrays and scalars are not listed)."""
 
@@ -71,16 +75,17 @@ def read_verified(params: Mapping[str, Any], entries: Mapping[str, Entry], keys:
     world = library_world()
     expect = _common_checks(world, mine, keys)
     VERIFIED.clear()
-    VERIFIED.update((key, "lin64" if expect[key] is None else "xxh3") for key in keys)
+    VERIFIED.update((key, "lin64" if expect[key] is None else "xxh3 sum" if summed(entries[key]) else "xxh3")
+                    for key in keys)
     if staging == "all":
-        staged, problem = _attempt(path, lambda: {key: _read_all(params[key], entries[key].dataset, expect[key])
+        staged, problem = _attempt(path, lambda: {key: _read_all(params[key], entries[key], expect[key])
                                                   for key in keys})
         _verify(world, keys, [staged[k][1] for k in keys] if staged else [0] * len(keys), params, entries, expect,
                 path, problem)
         for key in keys:
             _commit(params[key], staged.pop(key)[0])
         return
-    first, problem = _attempt(path, lambda: {key: _first_pass(params[key], entries[key].dataset, expect[key])
+    first, problem = _attempt(path, lambda: {key: _first_pass(params[key], entries[key], expect[key])
                                              for key in keys})
     _verify(world, keys, [first[k][1] for k in keys] if first else [0] * len(keys), params, entries, expect,
             path, problem)
@@ -101,16 +106,27 @@ def _attempt(path: str, read: Callable[[], dict[str, Any]]) -> tuple[dict[str, A
 
 
 def own_checks(params: Mapping[str, Any], entries: Mapping[str, Entry], keys: list[str]) -> dict[str, Tiles | None]:
-    """Each dataset's recorded pieces tiling this rank's region (none when it reads nothing:
-    nothing to check), or None when they do not tile it (or there is no table)."""
+    """Each dataset's written pieces tiling this rank's region (none when it reads nothing:
+    nothing to check), from its piece table or, without one, from its written layout (the sum
+    check: ``summed``); None when they do not tile it (or neither is stored)."""
     mine: dict[str, Tiles | None] = {}
     for key in keys:
-        block, table = _hyperslab(params[key]), entries[key].pieces
-        if block is None:  # this rank reads nothing: nothing of its own to check
-            mine[key] = None if table is None else ()
+        entry, block = entries[key], _hyperslab(params[key])
+        if entry.pieces is None and entry.layout is None:
+            mine[key] = None
+        elif block is None:  # this rank reads nothing: nothing of its own to check
+            mine[key] = ()
+        elif entry.pieces is not None:
+            mine[key] = pieces.tiling(entry.pieces, *block)
         else:
-            mine[key] = pieces.tiling(table, *block)
+            assert entry.layout is not None
+            mine[key] = pieces.layout_tiling(entry.layout, tuple(params[key].shape), *block)
     return mine
+
+
+def summed(entry: Entry) -> bool:
+    """Whether the dataset's fast check is the sum of seeded digests (no table, a written layout)."""
+    return entry.pieces is None and entry.layout is not None
 
 
 def _common_checks(world: Any, mine: Mapping[str, Tiles | None], keys: list[str]) -> dict[str, Tiles | None]:
@@ -182,24 +198,24 @@ def _filler(param: Any) -> np.ndarray | None:
     return xp.full(shape, identity_value(param.dtype, op), dtype=param.dtype)
 
 
-def _term(raw: np.ndarray, offset: tuple[int, ...], shape: tuple[int, ...], tiles: Tiles | None) -> int:
+def _term(raw: np.ndarray, offset: tuple[int, ...], shape: tuple[int, ...], tiles: Tiles | None, sums: bool) -> int:
     """What this rank contributes to the verdict on a block it read at ``offset`` of a dataset of
-    ``shape``: its lin64 term (``tiles`` None), or 1 if a tile's xxh3 is not the recorded one
-    (0 for an empty block: nothing to check)."""
+    ``shape``: its lin64 term (``tiles`` None), the sum of its tiles' seeded digests (``sums``),
+    or 1 if a tile's xxh3 is not the recorded one (0 for an empty block: nothing to check)."""
     if tiles is None:
         return checksum(raw, offset, shape)
-    digests = pieces.TileDigests(tiles)
+    digests = pieces.TileDigests(tiles, seeded=sums)
     digests.update(0, raw)
-    return int(digests.mismatched())
+    return digests.total() if sums else int(digests.mismatched())
 
 
-def _read_all(param: Any, ds: Any, expected: Tiles | None) -> tuple[Any, int]:
+def _read_all(param: Any, entry: Entry, expected: Tiles | None) -> tuple[Any, int]:
     """This rank's whole piece (in the parameter's dtype and array type) and its verdict term."""
     block = _hyperslab(param)
     if block is None:
         return _filler(param), 0
-    raw = _read(ds, *block)
-    term = _term(raw, block[0], param.shape, expected)
+    raw = _read(entry.dataset, *block)
+    term = _term(raw, block[0], param.shape, expected, summed(entry))
     xp = array_namespace(param.device_mesh.device_type)
     return xp.asarray(raw.astype(param.dtype, copy=False)), term
 
@@ -219,12 +235,14 @@ def _chunks(param: Any, ds: Any) -> Iterator[tuple[tuple[int, ...], np.ndarray]]
         yield sub_offset, _read(ds, sub_offset, (min(step, shape[0] - start), *shape[1:]))
 
 
-def _first_pass(param: Any, ds: Any, expected: Tiles | None) -> tuple[list[int], int]:
+def _first_pass(param: Any, entry: Entry, expected: Tiles | None) -> tuple[list[int], int]:
     """``"chunks"``, first pass: each chunk's xxh3 (for the second pass) and this rank's verdict
-    term (lin64 terms summed, or each tile's xxh3 over the chunks in turn against its digest)."""
+    term (lin64 terms summed, or each tile's xxh3 over the chunks in turn: against its digest, or
+    seeded and summed)."""
     marks: list[int] = []
     term = 0
-    digests = None if expected is None else pieces.TileDigests(expected)
+    ds, sums = entry.dataset, summed(entry)
+    digests = None if expected is None else pieces.TileDigests(expected, seeded=sums)
     block = _hyperslab(param)
     first_row = block[0][0] if block is not None and block[0] else 0  # of the region, along dim 0
     for off, raw in _chunks(param, ds):
@@ -234,7 +252,7 @@ def _first_pass(param: Any, ds: Any, expected: Tiles | None) -> tuple[list[int],
         else:
             digests.update(off[0] - first_row if off else 0, raw)
     if digests is not None:
-        term = int(digests.mismatched())
+        term = digests.total() if sums else int(digests.mismatched())
     return marks, term & MASK
 
 
@@ -242,15 +260,22 @@ def _verify(world: Any, keys: list[str], terms: list[int], params: Mapping[str, 
             entries: Mapping[str, Entry], expect: Mapping[str, Tiles | None], path: str,
             problem: Exception | None) -> None:
     """Sum every rank's terms and status (``problem``: its reads failed); the same verdict
-    (and error) on every rank (xxh3: no rank saw a mismatch; lin64: the terms add up to the
-    stored checksum once per reader)."""
+    (and error) on every rank (xxh3: no rank saw a mismatch; lin64 and the xxh3 sum: the terms
+    add up to the stored checksum or ``xxsum`` once per reader)."""
     sums = reduced_sums(world, [*terms, *(copies_read(params[key]) for key in keys)], problem)
-    bad = [key for key, total, copies in zip(keys, sums, sums[len(keys):])
-           if total != (0 if expect[key] is not None else entries[key].checksum * copies & MASK)]
+    bad = [key for key, total, copies in zip(keys, sums, sums[len(keys):]) if total != _expected(entries[key],
+                                                                                            expect[key], copies)]
     if bad:
         raise CheckpointError(f"{path}: checksum mismatch in dataset{'s' if len(bad) > 1 else ''} "
                               f"{', '.join('/' + k.replace('.', '/') for k in bad)}: the data is damaged "
                               f"(or was never fully written); nothing was loaded")
+
+
+def _expected(entry: Entry, tiles: Tiles | None, copies: int) -> int:
+    """What the ranks' terms of one dataset must add up to, ``copies`` readers of each element."""
+    if tiles is None:
+        return entry.checksum * copies & MASK
+    return (entry.xxsum or 0) * copies & MASK if summed(entry) else 0
 
 
 def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
@@ -261,7 +286,7 @@ def read_whole(entry: Entry, path: str, key: str) -> np.ndarray:
     origin = (0,) * len(shape)
     raw = _read(ds, origin, shape)
     tiles = pieces.tiling(entry.pieces, origin, shape)
-    if _term(raw, origin, shape, tiles) != (entry.checksum if tiles is None else 0):
+    if _term(raw, origin, shape, tiles, False) != (entry.checksum if tiles is None else 0):
         raise CheckpointError(f"{path}: checksum mismatch in dataset /{key.replace('.', '/')}: the data is damaged "
                               f"(or was never fully written); nothing was loaded")
     return raw

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..errors import CheckpointError, DTensorError
 from . import pieces, pytypes
+from .pieces import Layout
 
 FORMAT = "dtorch_mpi"
 VERSION = 3  # 2: per-dataset checksum and dtype attributes (version 1 files are refused); 3: the layout digest
@@ -45,11 +46,14 @@ MAX_ATTRIBUTE_BYTES = 1 << 16
 
 @dataclass(frozen=True)
 class Entry:
-    """One validated dataset: its h5py object, stored checksum and piece table (None: none stored)."""
+    """One validated dataset: its h5py object, stored checksum and piece table (None: none stored);
+    without a table, the sum check's ``xxsum`` and written ``layout`` (None: not stored)."""
 
     dataset: Any
     checksum: int
     pieces: np.ndarray | None = None
+    xxsum: int | None = None
+    layout: Layout | None = None
 
 
 def check_header(f: Any, path: str) -> int:
@@ -153,7 +157,9 @@ def scan(f: Any, path: str, legacy: bool = False) -> Listing:
                 found.groups[key] = _group_type(obj, path, where, legacy)
                 walk(obj, where)
             elif isinstance(obj, h5py.Dataset):
-                entry = Entry(obj, _check_dataset(obj, where, path, legacy), _piece_table(obj, where, path))
+                stored = _check_dataset(obj, where, path, legacy)
+                table = _piece_table(obj, where, path)
+                entry = Entry(obj, stored, table, *(_piece_sum(obj, where, path) if table is None else (None, None)))
                 if _has(obj.id, pytypes.ATTRIBUTE):
                     kind = _attribute(obj, pytypes.ATTRIBUTE, path, where, legacy=legacy)
                     found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
@@ -244,6 +250,19 @@ def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
     value = _attribute(ds, pieces.ATTRIBUTE, path, where, scalar=False,
                        layout=lambda dtype, shape: pieces.check_layout(dtype, shape, tuple(ds.shape), what))
     return pieces.check(value, tuple(ds.shape), what)
+
+
+def _piece_sum(ds: Any, where: str, path: str) -> tuple[int | None, Layout | None]:
+    """The sum check's validated ``xxsum`` and written layout (pieces.py), or (None, None) when
+    the dataset has no ``xxsum`` (files before it, complete arrays: lin64)."""
+    if not _has(ds.id, pieces.SUM):
+        return None, None
+    what = f"{path}: dataset {where}"
+    xxsum = _attribute(ds, pieces.SUM, path, where)
+    if not isinstance(xxsum, np.uint64):
+        raise CheckpointError(f"{what}: attribute {pieces.SUM!r} must be a uint64, got {_show(xxsum)}")
+    mesh_shape, written = (_attribute(ds, name, path, where, scalar=False) for name in (pieces.MESH, pieces.WRITTEN))
+    return int(xxsum), pieces.check_written(mesh_shape, written, tuple(ds.shape), what)
 
 
 def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,

@@ -136,7 +136,9 @@ def _slab(leaf: tree.Leaf, writable: Mapping[str, DTensor], writes: Mapping[str,
             piece = (piece[0], piece[1], _own(piece[2], leaf.value.to_local()))
         return _Slab(leaf.key, t.shape, t.dtype, piece, None,
                      {"placements": repr(list(leaf.value.placements)),
-                      "mesh_shape": np.array(t.device_mesh.shape, dtype=np.int64)})
+                      pieces.MESH: np.array(t.device_mesh.shape, dtype=np.int64),
+                      pieces.WRITTEN: np.array([p.dim % t.ndim if isinstance(p, Shard) else -1 for p in t.placements],
+                                               dtype=np.int64)})
     array, term = wholes[leaf.key]  # its lin64 checksum
     mine = rank == 0
     if copy and mine:
@@ -452,12 +454,15 @@ def _exchanged_checksums(world: MPI.Intracomm, slabs: list[_Slab],
 
 def _set_checksums(datasets: Mapping[str, Any], slabs: list[_Slab], sums: list[pieces.Summary]) -> None:
     """Store each dataset's checksum and its piece table (pieces.exchange leaves out an empty
-    one and one over the attribute limit)."""
+    one and one over the attribute limit); without a table, a non-empty DTensor's sum of its
+    written pieces' seeded digests instead (the fast check without a table: pieces.py)."""
     for slab, summary in zip(slabs, sums):
         attrs = datasets[slab.key].attrs
         attrs["checksum"] = np.uint64(summary.checksum)
         if summary.table is not None:
             attrs[pieces.ATTRIBUTE] = summary.table
+        elif pieces.WRITTEN in slab.attrs and slab.nbytes:
+            attrs[pieces.SUM] = np.uint64(summary.xxsum)
 
 
 def _save_parallel(h5py: Any, world: MPI.Intracomm, tmp: str, groups: Mapping[str, str], slabs: list[_Slab],
