@@ -19,9 +19,9 @@ GOAL_BYTES, GOAL_SECONDS = 20 * 10**6, 0.3
 
 
 def test_a_sharded_save_at_4096_ranks_exchanges_metadata_per_dataset_not_per_rank() -> None:
-    """Every dataset Shard(0) over 4,096 ranks: one Allreduce of 4 words a dataset (the tables,
-    4,096 pieces each, are over the attribute limit: neither hashed nor gathered; the sum of the
-    pieces' seeded digests takes their place)."""
+    """Every dataset Shard(0) over 4,096 ranks: one Allreduce of 3 words a dataset (the tables,
+    4,096 pieces each, are over the attribute limit: neither hashed nor gathered), then one of a
+    word a dataset for the sums of the pieces' seeded digests that take their place."""
     owns = sharded_owns(P, DATASETS)
     sums, peak, seconds = measured(lambda: save_after(P, owns))
     assert peak <= GOAL_BYTES and seconds <= GOAL_SECONDS, (peak, seconds)

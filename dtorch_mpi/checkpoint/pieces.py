@@ -18,8 +18,8 @@ Where a table is left out (too many pieces), the fast check stays by a *sum* ins
 DTensor dataset also carries ``xxsum``, the sum mod 2**64 of its written pieces' digests, each
 seeded with the piece's global offset (``seeded_digest``: swapping two pieces changes the sum),
 and ``written`` beside ``mesh_shape``: the tensor dim each mesh dim of the writing mesh split
-(-1: none), from which the split rule gives every written piece (``layout_tiling``; the save's
-metadata stays one word per dataset). A load whose regions are made of whole written pieces adds
+(-1: none), from which the split rule gives every written piece (``layout_tiling``). The sums
+take one more Allreduce of a word per such dataset, made only when some table is left out. A load whose regions are made of whole written pieces adds
 the seeded digests of the pieces in its region; the sum over the ranks must be ``xxsum`` once per
 copy read (as lin64's terms are). Enumerating the pieces inside a region is O(its pieces), never
 O(ranks).
@@ -107,25 +107,37 @@ def table_bytes(pieces: int, ndim: int) -> int:
 
 def exchange(world: Any, mine: Sequence[Own], problem: BaseException | None = None) -> list[Summary]:
     """Every dataset's ``Summary`` from each rank's ``Own`` parts (collective over ``world``):
-    one Allreduce of ``4 * len(mine) + 1`` words, then the rows of the tables that are kept (see
+    one Allreduce of ``3 * len(mine) + 1`` words, then the rows of the tables that are kept (see
     the module's docstring): per rank, O(datasets + the rows kept) bytes whatever the rank count.
     The extra word counts the ranks that bring a ``problem``: where any does, every rank raises
     (``spmd.agree``) before the tables."""
-    words = np.zeros(4 * len(mine) + 1, dtype=np.uint64)
-    sums = words[:-1].reshape(4, len(mine))
+    words = np.zeros(3 * len(mine) + 1, dtype=np.uint64)
+    sums = words[:-1].reshape(3, len(mine))
     for k, own in enumerate(mine):
-        sums[:, k] = (own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None,
-                      seeded_digest(own.piece[2], own.piece[0]) if own.piece else 0)
+        sums[:, k] = own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None
     words[-1] = problem is not None
     every = np.empty_like(words)
     wait_request(world.Iallreduce(words, every, op=MPI.SUM), "the checkpoint save's checksum exchange (Allreduce)")
     if every[-1]:
         agree(world, problem)
-    total = every[:-1].reshape(4, len(mine))
+    total = every[:-1].reshape(3, len(mine))
     kept = [bool(n) and table_bytes(int(n), own.ndim) <= MAX_TABLE_BYTES for n, own in zip(total[2], mine)]
     tables = _gather_rows(world, mine, kept) if any(kept) else {}
-    return [Summary(int(term), int(written), tables.get(k), int(xxsum))
-            for k, (term, written, xxsum) in enumerate(zip(total[0], total[1], total[3]))]
+    left_out = [k for k, (n, keep) in enumerate(zip(total[2], kept)) if n and not keep]
+    xxsums = _summed_digests(world, mine, left_out) if left_out else {}
+    return [Summary(int(term), int(written), tables.get(k), xxsums.get(k, 0))
+            for k, (term, written) in enumerate(zip(total[0], total[1]))]
+
+
+def _summed_digests(world: Any, mine: Sequence[Own], left_out: Sequence[int]) -> dict[int, int]:
+    """The sum check's ``xxsum`` of each dataset whose table is ``left_out`` (index -> sum of its
+    pieces' seeded digests over the ranks): one Allreduce of a word per such dataset, made only
+    when some table is left out (above ~800 pieces), so smaller saves hash nothing more."""
+    words = np.array([seeded_digest(mine[k].piece[2], mine[k].piece[0]) if mine[k].piece else 0  # type: ignore[index]
+                      for k in left_out], dtype=np.uint64)
+    every = np.empty_like(words)
+    wait_request(world.Iallreduce(words, every, op=MPI.SUM), "the checkpoint save's digest sums (Allreduce)")
+    return {k: int(v) for k, v in zip(left_out, every)}
 
 
 def _gather_rows(world: Any, mine: Sequence[Own], kept: Sequence[bool]) -> dict[int, np.ndarray]:
