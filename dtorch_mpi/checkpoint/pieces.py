@@ -11,18 +11,18 @@ lin64 term, elements written and pieces written; then, only for the datasets who
 under ``MAX_TABLE_BYTES`` (about 800 pieces of a 2-d tensor; HDF5 stores an attribute in one
 object-header message, under 64 KiB), the digests of their pieces (computed from the pieces in
 memory) and the rows, in one Allgatherv of the writers' rows (an Allgather of one count per rank
-sizes it). A table over the limit is neither computed nor written, and neither is an empty one:
-such datasets load with lin64.
+sizes it). A table over the limit is neither computed nor written, and neither is an empty one.
 
-Where a table is left out (too many pieces), the fast check stays by a *sum* instead: every
-DTensor dataset also carries ``xxsum``, the sum mod 2**64 of its written pieces' digests, each
-seeded with the piece's global offset (``seeded_digest``: swapping two pieces changes the sum),
-and ``written`` beside ``mesh_shape``: the tensor dim each mesh dim of the writing mesh split
-(-1: none), from which the split rule gives every written piece (``layout_tiling``). The sums
-take one more Allreduce of a word per such dataset, made only when some table is left out. A load whose regions are made of whole written pieces adds
-the seeded digests of the pieces in its region; the sum over the ranks must be ``xxsum`` once per
-copy read (as lin64's terms are). Enumerating the pieces inside a region is O(its pieces), never
-O(ranks).
+Where a table is left out (too many pieces), the fast check stays by a *sum* instead: a
+non-empty DTensor dataset without a table carries ``xxsum``, the sum mod 2**64 of its written
+pieces' digests, each seeded with the piece's global offset (``seeded_digest``: swapping two
+pieces changes the sum), and every DTensor dataset carries ``written`` beside ``mesh_shape``: the
+tensor dim each mesh dim of the writing mesh split (-1: none), from which the split rule gives
+every written piece (``layout_tiling``). The sums take one more Allreduce of a word per such
+dataset, made only when some table is left out. A load whose regions are made of whole written
+pieces adds the seeded digests of the pieces in its region; the sum over the ranks must be
+``xxsum`` once per copy read (as lin64's terms are). Enumerating the pieces inside a region is
+O(its pieces), never O(ranks). Any other load, and an empty dataset, is checked with lin64.
 
 A checkpoint is untrusted: ``check`` refuses a table of the wrong type or shape, a piece that is
 empty or reaches outside the dataset, and a region listed twice. A table only chooses which

@@ -16,7 +16,8 @@ What a dtorch_mpi checkpoint may contain, and nothing else:
   decides how a value is restored, is refused like damaged data);
   dataset ``dtype`` (the exact dtype string, equal to the stored type) and ``checksum``
   (a uint64, see checksum.py); an optional ``pieces`` table (pieces.py: a uint64 array whose
-  pieces lie inside the dataset); a ``pytype`` attribute (Python scalars and containers,
+  pieces lie inside the dataset); without a table, an optional ``xxsum`` (a uint64) with
+  ``mesh_shape`` and ``written`` (int64 vectors of one length; pieces.check_written); a ``pytype`` attribute (Python scalars and containers,
   pytypes.py) must name a known type whose storage the dataset has.
 """
 
