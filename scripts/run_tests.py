@@ -302,13 +302,13 @@ def main() -> int:
     total = dict.fromkeys(KEYS, 0)
     bad_runs = []
     print("\nruns:")
-    for r in results:
+    for i, r in enumerate(results):
         for k in KEYS:
             total[k] += r.counts[k]
         c = r.counts
         print(f"  {r.label:<24} {r.seconds:6.1f}s  {c['passed']} passed, {c['failed'] + c['errors']} failed, "
               f"{c['skipped']} skipped" + ("" if r.reported else "  (no report)")
-              + ("  (made twice: see below)" if results.index(r) in rerun else ""))
+              + ("  (made twice: see below)" if i in rerun else ""))
         if r.rc not in OK:
             bad_runs.append(f"{r.label} (exit {r.rc})")
             if c["failed"] == 0 and c["errors"] == 0:
