@@ -206,7 +206,8 @@ def combine(terms: np.ndarray) -> int:
     return int(sum(int(t) for t in terms.ravel())) & MASK
 
 
-def reduced_sums(world: Any, terms: Sequence[int], problem: BaseException | None = None) -> list[int]:
+def reduced_sums(world: Any, terms: Sequence[int], problem: BaseException | None = None,
+                 what: str = "the checkpoint load's checksum exchange") -> list[int]:
     """Each dataset's terms summed over the ranks mod 2**64 (one Allreduce of ``len(terms) + 1``
     words under the collective deadline: an unsigned MPI_SUM wraps as ``combine`` does), the same
     list on every rank, whatever the rank count. ``problem``, this rank's failure while computing
@@ -214,7 +215,7 @@ def reduced_sums(world: Any, terms: Sequence[int], problem: BaseException | None
     rank raises (spmd.agree), so the terms are never compared."""
     mine = np.array([problem is not None, *terms], dtype=np.uint64)
     total = np.empty_like(mine)
-    wait_request(world.Iallreduce(mine, total, op=MPI.SUM), "the checkpoint load's checksum exchange (Allreduce)")
+    wait_request(world.Iallreduce(mine, total, op=MPI.SUM), f"{what} (Allreduce)")
     if total[0]:
         agree(world, problem)
     return [int(t) for t in total[1:]]

@@ -44,8 +44,7 @@ from mpi4py import MPI
 from ..comm.deadline import wait_request
 from ..errors import CheckpointError
 from ..split import split_range
-from ..spmd import agree
-from .checksum import canonical, digest, require_hasher, running_digest
+from .checksum import canonical, digest, reduced_sums, require_hasher, running_digest
 
 ATTRIBUTE = "pieces"
 SUM, WRITTEN, MESH = "xxsum", "written", "mesh_shape"  # the sum check's attributes
@@ -107,20 +106,13 @@ def table_bytes(pieces: int, ndim: int) -> int:
 
 def exchange(world: Any, mine: Sequence[Own], problem: BaseException | None = None) -> list[Summary]:
     """Every dataset's ``Summary`` from each rank's ``Own`` parts (collective over ``world``):
-    one Allreduce of ``3 * len(mine) + 1`` words, then the rows of the tables that are kept (see
-    the module's docstring): per rank, O(datasets + the rows kept) bytes whatever the rank count.
-    The extra word counts the ranks that bring a ``problem``: where any does, every rank raises
-    (``spmd.agree``) before the tables."""
-    words = np.zeros(3 * len(mine) + 1, dtype=np.uint64)
-    sums = words[:-1].reshape(3, len(mine))
-    for k, own in enumerate(mine):
-        sums[:, k] = own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None
-    words[-1] = problem is not None
-    every = np.empty_like(words)
-    wait_request(world.Iallreduce(words, every, op=MPI.SUM), "the checkpoint save's checksum exchange (Allreduce)")
-    if every[-1]:
-        agree(world, problem)
-    total = every[:-1].reshape(3, len(mine))
+    one Allreduce of ``3 * len(mine) + 1`` words (``checksum.reduced_sums``), then the rows of the
+    tables that are kept (see the module's docstring): per rank, O(datasets + the rows kept) bytes
+    whatever the rank count. The extra word counts the ranks that bring a ``problem``: where any
+    does, every rank raises (``spmd.agree``) before the tables."""
+    terms = [value for own in mine for value in (own.term, prod(own.piece[1]) if own.piece else 0, own.piece is not None)]
+    total = np.array(reduced_sums(world, terms, problem, "the checkpoint save's checksum exchange"),
+                     dtype=np.uint64).reshape(len(mine), 3).T
     kept = [bool(n) and table_bytes(int(n), own.ndim) <= MAX_TABLE_BYTES for n, own in zip(total[2], mine)]
     tables = _gather_rows(world, mine, kept) if any(kept) else {}
     left_out = [k for k, (n, keep) in enumerate(zip(total[2], kept)) if n and not keep]
@@ -133,11 +125,9 @@ def _summed_digests(world: Any, mine: Sequence[Own], left_out: Sequence[int]) ->
     """The sum check's ``xxsum`` of each dataset whose table is ``left_out`` (index -> sum of its
     pieces' seeded digests over the ranks): one Allreduce of a word per such dataset, made only
     when some table is left out (above ~800 pieces), so smaller saves hash nothing more."""
-    words = np.array([seeded_digest(mine[k].piece[2], mine[k].piece[0]) if mine[k].piece else 0  # type: ignore[index]
-                      for k in left_out], dtype=np.uint64)
-    every = np.empty_like(words)
-    wait_request(world.Iallreduce(words, every, op=MPI.SUM), "the checkpoint save's digest sums (Allreduce)")
-    return {k: int(v) for k, v in zip(left_out, every)}
+    digests = [seeded_digest(mine[k].piece[2], mine[k].piece[0]) if mine[k].piece else 0  # type: ignore[index]
+               for k in left_out]
+    return dict(zip(left_out, reduced_sums(world, digests, what="the checkpoint save's digest sums")))
 
 
 def _gather_rows(world: Any, mine: Sequence[Own], kept: Sequence[bool]) -> dict[int, np.ndarray]:

@@ -105,10 +105,7 @@ def check_layout(f: Any, listing: "Listing", path: str, version: int) -> None:
             raise CheckpointError(f"{path}: a version-{version} file with a {LAYOUT!r} attribute (added in "
                                   f"version 3): the file's metadata is damaged")
         return
-    stored = _attribute(f, LAYOUT, path, "/")
-    if not isinstance(stored, np.uint64):
-        raise CheckpointError(f"{path}: attribute {LAYOUT!r} must be a uint64, got {_show(stored)}; "
-                              f"the file's metadata is damaged")
+    stored = _uint64(f, LAYOUT, path, "/", path)
     if stored != listing_digest(listing):
         raise CheckpointError(f"{path}: the groups and datasets (names, Python types in 'pytype' attributes, "
                               f"dtypes, shapes) differ from what was saved (the root's {LAYOUT!r} digest): "
@@ -235,12 +232,10 @@ def _check_dataset(ds: Any, where: str, path: str, legacy: bool = False) -> int:
     if not isinstance(stored, str) or stored != ds.dtype.str:
         raise CheckpointError(f"{what} is stored as {ds.dtype.str} but its 'dtype' attribute says {_show(stored)}: "
                               f"the file's metadata is damaged")
-    checksum = _attribute(ds, "checksum", path, where)
-    if not isinstance(checksum, np.uint64):
-        raise CheckpointError(f"{what}: attribute 'checksum' must be a uint64, got {_show(checksum)}")
+    checksum = _uint64(ds, "checksum", path, where, what)
     if nbytes and not ds.id.get_storage_size():
         raise CheckpointError(f"{what} has no data stored (it was never written)")
-    return int(checksum)
+    return checksum
 
 
 def _piece_table(ds: Any, where: str, path: str) -> np.ndarray | None:
@@ -259,11 +254,18 @@ def _piece_sum(ds: Any, where: str, path: str) -> tuple[int | None, Layout | Non
     if not _has(ds.id, pieces.SUM):
         return None, None
     what = f"{path}: dataset {where}"
-    xxsum = _attribute(ds, pieces.SUM, path, where)
-    if not isinstance(xxsum, np.uint64):
-        raise CheckpointError(f"{what}: attribute {pieces.SUM!r} must be a uint64, got {_show(xxsum)}")
+    xxsum = _uint64(ds, pieces.SUM, path, where, what)
     mesh_shape, written = (_attribute(ds, name, path, where, scalar=False) for name in (pieces.MESH, pieces.WRITTEN))
-    return int(xxsum), pieces.check_written(mesh_shape, written, tuple(ds.shape), what)
+    return xxsum, pieces.check_written(mesh_shape, written, tuple(ds.shape), what)
+
+
+def _uint64(obj: Any, name: str, path: str, where: str, what: str) -> int:
+    """A uint64 scalar attribute (a digest or a checksum); ``what`` names its owner in the error."""
+    value = _attribute(obj, name, path, where)
+    if not isinstance(value, np.uint64):
+        raise CheckpointError(f"{what}: attribute {name!r} must be a uint64, got {_show(value)}; "
+                              f"the file's metadata is damaged")
+    return int(value)
 
 
 def _attribute(obj: Any, name: str, path: str, where: str, scalar: bool = True,
