@@ -41,6 +41,9 @@ PHDF5_MPICC    ?= /usr/bin/mpicc.mpich
 PHDF5_MPIEXEC  ?= /usr/bin/mpiexec.mpich
 PHDF5_PKGCONFIG ?= hdf5-mpich
 PHDF5_STAMP    := $(PHDF5_VENV)/.installed
+# preloaded into the parallel-HDF5 runs: a UCX MPI (Debian's MPICH) polls without yielding, and
+# oversubscribed ranks then wait a scheduler tick per collective (scripts/ucx_yield.c)
+PHDF5_YIELD    := $(PHDF5_VENV)/lib/libucx_yield.so
 # mpi4py and h5py built from source are kept as wheels in a folder keyed by the MPI compiler's
 # link line and the HDF5 version, never in pip's own cache (which would hand a wheel built
 # against one MPI to another): a fresh clone on the same machine reuses them. The key is
@@ -64,8 +67,9 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 endif
 
 ifeq ($(PHDF5),1)
-TEST_DEPS := $(STAMP) $(PHDF5_STAMP)
-PHDF5_ARGS := --phdf5-python $(PHDF5_VENV)/bin/python --phdf5-mpiexec "$(PHDF5_MPIEXEC)"
+TEST_DEPS := $(STAMP) $(PHDF5_STAMP) $(PHDF5_YIELD)
+PHDF5_ARGS := --phdf5-python $(PHDF5_VENV)/bin/python --phdf5-mpiexec "$(PHDF5_MPIEXEC)" \
+  --phdf5-env LD_PRELOAD=$(abspath $(PHDF5_YIELD))
 else
 TEST_DEPS := $(STAMP)
 PHDF5_ARGS :=
@@ -130,7 +134,10 @@ $(PHDF5_STAMP): pyproject.toml Makefile
 	$(PHDF5_VENV)/bin/python scripts/check_mpi.py --mpiexec "$(PHDF5_MPIEXEC)" --h5py-mpi
 	touch $(PHDF5_STAMP)
 
-install-phdf5: $(PHDF5_STAMP)
+install-phdf5: $(PHDF5_STAMP) $(PHDF5_YIELD)
+
+$(PHDF5_YIELD): scripts/ucx_yield.c $(PHDF5_STAMP)
+	cc -O2 -shared -fPIC -o $@ scripts/ucx_yield.c -ldl
 
 # The GPU backends on the emulated device (tests/emulated_cupy: a test double of CuPy and NCCL,
 # not a GPU): the device-array tests once per backend, on the auto path. `make test` runs a
@@ -177,8 +184,8 @@ test-gpu-emulated: $(STAMP)
 	MPIEXEC="$(MPIEXEC)" $(PY) scripts/run_tests.py --only-extra \
 	  $(foreach b,nccl cuda-aware-mpi host-staging,$(call emulated_pass,$(b),$(SIZES),$(GPU_EMULATED_TESTS)))
 
-test-phdf5: $(PHDF5_STAMP)
-	$(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
+test-phdf5: $(PHDF5_STAMP) $(PHDF5_YIELD)
+	LD_PRELOAD=$(abspath $(PHDF5_YIELD)) $(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
 	  tests/test_checkpoint.py tests/test_checkpoint_layouts.py tests/test_nn.py tests/test_faults.py
 
 test-slurm: $(STAMP)

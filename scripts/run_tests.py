@@ -73,6 +73,13 @@ class Result:
     logdir: str = ""  # its output.txt and, under mpiexec, the other ranks' rankN.log
 
 
+def _assignments(words: list[str], option: str) -> dict[str, str]:
+    """``NAME=VALUE`` words as a mapping (an environment for a pass's runs)."""
+    if bad := [w for w in words if "=" not in w or w.startswith("=")]:
+        raise SystemExit(f"{option}: {bad[0]!r} is not NAME=VALUE")
+    return dict(w.partition("=")[::2] for w in words)
+
+
 def parse_pass(text: str, defaults: Pass) -> Pass:
     """``NAME [python=P] [mpiexec=M] [sizes=1,2] [paths=auto] [env=K=V]... [tests=a.py,b.py]
     [device=emulated|cuda] [k=EXPR]``: a pass added to the plan (an emulated-device run, another
@@ -96,8 +103,7 @@ def parse_pass(text: str, defaults: Pass) -> Pass:
         elif key == "tests":
             spec.tests = value.split(",")
         elif key == "env" and "=" in value:
-            name, _, setting = value.partition("=")
-            spec.env[name] = setting
+            spec.env.update(_assignments([value], f"--extra-pass {text!r}"))
         elif key == "device":
             spec.pytest_args += ["--device", value]
         elif key == "k":
@@ -276,6 +282,8 @@ def main() -> int:
     ap.add_argument("--phdf5-mpiexec", default="mpiexec", help="the parallel-HDF5 stack's launcher")
     ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_checkpoint_layouts.py tests/test_nn.py "
                                            "tests/test_faults.py")
+    ap.add_argument("--phdf5-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the parallel-HDF5 runs' environment (make test: LD_PRELOAD of scripts/ucx_yield.c)")
     ap.add_argument("--phdf5-sizes", default="1,2,4",
                     help="world sizes of the parallel-HDF5 pass (of those in --sizes): uneven pieces at 4 already, "
                          "and its MPI-IO collectives spin, so each oversubscribed size costs a minute")
@@ -290,7 +298,7 @@ def main() -> int:
     if args.phdf5_python:
         phdf5_sizes = {int(n) for n in args.phdf5_sizes.split(",")}
         passes.append(Pass("phdf5", args.phdf5_python, args.phdf5_mpiexec, [n for n in pip.sizes if n in phdf5_sizes],
-                           ["auto"], args.phdf5_tests.split()))
+                           ["auto"], args.phdf5_tests.split(), env=_assignments(args.phdf5_env, "--phdf5-env")))
     passes += [parse_pass(text, pip) for text in args.extra_pass]
     if args.only_extra:
         passes = passes[1 + bool(args.phdf5_python):]
