@@ -5,6 +5,7 @@ pip-only stack (serial h5py: ranks write in turn) and on the parallel-HDF5 stack
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 from typing import Any
@@ -189,6 +190,27 @@ def test_load_is_in_place_for_every_holder_of_the_old_arrays(staging: str, mesh1
             check.true(np.array_equal(before[k], v.to_local()), f"{k}: the array taken before the load was not loaded")
             check.equal(tied[k].to_torch(), fulls[k], f"{k}: a tensor sharing the array")
     check.done()
+
+
+def test_saves_and_loads_leave_nothing_to_the_cycle_collector(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:
+    """A reference cycle made per save or load (a recursive closure did: tree.walk, validate.scan)
+    keeps what it reaches, the load's h5py datasets included, until the cycle collector runs."""
+    _, sd = state(mesh1d, LAYOUTS_1D, (SIZE + 1, 3))
+    sd["meta"] = {"step": 3, "names": ["a", "b"], "array": np.arange(4)}
+    path = os.path.join(shared_dir, "ck.h5")
+    dt.save(sd, path)  # the first call of each kind imports and caches what later calls reuse
+    dt.load(path, sd)
+    gc.collect()
+    gc.freeze()  # everything alive now is left out of the collections below (fast in a long session)
+    try:
+        left = {}
+        for name, call in (("save", lambda: dt.save(sd, path)), ("async save", lambda: dt.save(sd, path, async_op=True).wait()),
+                           ("load", lambda: dt.load(path, sd)), ("load chunks", lambda: dt.load(path, sd, staging="chunks"))):
+            call()
+            left[name] = gc.collect()
+    finally:
+        gc.unfreeze()
+    assert not any(left.values()), f"objects only the cycle collector frees, per call: {left}"
 
 
 def test_module_round_trip(mesh1d: dt.DeviceMesh, shared_dir: str) -> None:

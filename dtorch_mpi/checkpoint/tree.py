@@ -11,7 +11,7 @@ validated :class:`~.validate.Entry` for the caller to read where it belongs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,15 +62,27 @@ Children = Iterable[tuple[str, Any, Any]]
 def walk(root: Any, visit: Callable[[Any, str, MutableMapping[Any, Any] | None, Any], Children | None]) -> None:
     """Depth first: ``visit(value, key, holder, name)`` handles one value (``holder[name]`` is
     where it sits, when that is a mutable mapping) and returns the children to descend into
-    (``None`` for a leaf)."""
-
-    def go(value: Any, key: str, holder: MutableMapping[Any, Any] | None, name: Any) -> None:
+    (``None`` for a leaf). A stack of the open containers' children rather than a recursive
+    closure, which would be a reference cycle: every save and load left it (and what its frames
+    held) to the cycle collector."""
+    pending: list[Iterator[tuple[Any, str, MutableMapping[Any, Any] | None, Any]]] = [
+        iter([(root, "", None, None)])]
+    while pending:
+        item = next(pending[-1], None)
+        if item is None:
+            pending.pop()
+            continue
+        value, key, holder, name = item
         children = visit(value, key, holder, name)
-        parent = value if isinstance(value, MutableMapping) else None
-        for label, own_key, child in children or ():
-            go(child, join(key, label), parent, own_key)
+        if children is not None:
+            pending.append(_below(value, key, children))
 
-    go(root, "", None, None)
+
+def _below(value: Any, key: str, children: Children) -> Iterator[tuple[Any, str, MutableMapping[Any, Any] | None, Any]]:
+    """``walk``'s items for ``value``'s children (lazily: a visitor's errors come in visiting order)."""
+    parent = value if isinstance(value, MutableMapping) else None
+    for label, own_key, child in children:
+        yield child, join(key, label), parent, own_key
 
 
 def flatten(obj: Mapping[Any, Any]) -> Layout:

@@ -130,44 +130,53 @@ def scan(f: Any, path: str, legacy: bool = False) -> Listing:
     seen: set[int] = set()
     found.groups[""] = _group_type(f, path, "/", legacy)
 
-    def walk(group: Any, prefix: str) -> None:
-        for name in group:
-            if not isinstance(name, str):  # h5py gives a name that is not UTF-8 as bytes
-                raise CheckpointError(f"{path}: {prefix}/ holds a member named {name!r}, which is not UTF-8 "
-                                      f"(save writes UTF-8 names): the file's structure is damaged")
-            where = f"{prefix}/{name}"
-            if group.id.links.get_info(name.encode()).type != h5py.h5l.TYPE_HARD:
-                link = group.get(name, getlink=True)
-                raise CheckpointError(f"{path}: {where} is a {type(link).__name__} (dtorch_mpi checkpoints hold no "
-                                      f"links; refusing to follow it outside the file or to another object)")
-            if "." in name:
-                raise CheckpointError(f"{path}: {where} has a '.' in its name (keys map dots to groups, "
-                                      f"so this name is ambiguous)")
-            oid = h5py.h5o.open(group.id, name.encode())  # low level: ``group[name]`` costs twice as much
-            wrap = {h5py.h5g.GroupID: h5py.Group, h5py.h5d.DatasetID: partial(h5py.Dataset, readonly=True)}.get(type(oid))
-            obj = wrap(oid) if wrap is not None else group[name]  # anything else is refused below
-            address = h5py.h5o.get_info(oid).addr
-            if address in seen:
-                raise CheckpointError(f"{path}: {where} is a second name of an object already seen")
-            seen.add(address)
-            key = where[1:].replace("/", ".")
-            if isinstance(obj, h5py.Group):
-                found.groups[key] = _group_type(obj, path, where, legacy)
-                walk(obj, where)
-            elif isinstance(obj, h5py.Dataset):
-                stored = _check_dataset(obj, where, path, legacy)
-                table = _piece_table(obj, where, path)
-                entry = Entry(obj, stored, table, *(_piece_sum(obj, where, path) if table is None else (None, None)))
-                if _has(obj.id, pytypes.ATTRIBUTE):
-                    kind = _attribute(obj, pytypes.ATTRIBUTE, path, where, legacy=legacy)
-                    found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
-                else:
-                    found.tensors[key] = entry
-            else:
-                raise CheckpointError(f"{path}: {where} is a {type(obj).__name__}, not a group or dataset")
+    def member(group: Any, prefix: str, name: Any) -> Any:
+        """Check and list one member of ``group``; a group is returned to be descended into."""
+        if not isinstance(name, str):  # h5py gives a name that is not UTF-8 as bytes
+            raise CheckpointError(f"{path}: {prefix}/ holds a member named {name!r}, which is not UTF-8 "
+                                  f"(save writes UTF-8 names): the file's structure is damaged")
+        where = f"{prefix}/{name}"
+        if group.id.links.get_info(name.encode()).type != h5py.h5l.TYPE_HARD:
+            link = group.get(name, getlink=True)
+            raise CheckpointError(f"{path}: {where} is a {type(link).__name__} (dtorch_mpi checkpoints hold no "
+                                  f"links; refusing to follow it outside the file or to another object)")
+        if "." in name:
+            raise CheckpointError(f"{path}: {where} has a '.' in its name (keys map dots to groups, "
+                                  f"so this name is ambiguous)")
+        oid = h5py.h5o.open(group.id, name.encode())  # low level: ``group[name]`` costs twice as much
+        wrap = {h5py.h5g.GroupID: h5py.Group, h5py.h5d.DatasetID: partial(h5py.Dataset, readonly=True)}.get(type(oid))
+        obj = wrap(oid) if wrap is not None else group[name]  # anything else is refused below
+        address = h5py.h5o.get_info(oid).addr
+        if address in seen:
+            raise CheckpointError(f"{path}: {where} is a second name of an object already seen")
+        seen.add(address)
+        key = where[1:].replace("/", ".")
+        if isinstance(obj, h5py.Group):
+            found.groups[key] = _group_type(obj, path, where, legacy)
+            return obj
+        if not isinstance(obj, h5py.Dataset):
+            raise CheckpointError(f"{path}: {where} is a {type(obj).__name__}, not a group or dataset")
+        stored = _check_dataset(obj, where, path, legacy)
+        table = _piece_table(obj, where, path)
+        entry = Entry(obj, stored, table, *(_piece_sum(obj, where, path) if table is None else (None, None)))
+        if _has(obj.id, pytypes.ATTRIBUTE):
+            kind = _attribute(obj, pytypes.ATTRIBUTE, path, where, legacy=legacy)
+            found.scalars[key] = entry, pytypes.check_stored(kind, obj, f"{path}: dataset {where}")
+        else:
+            found.tensors[key] = entry
+        return None
 
+    # depth first over a stack of open groups: a recursive closure would be a reference cycle
+    # (each load's datasets left to the cycle collector) and would recurse as deep as the file nests
+    pending = [(f, "", iter(f))]
     try:
-        walk(f, "")
+        while pending:
+            group, prefix, names = pending[-1]
+            name = next(names, None)
+            if name is None:
+                pending.pop()
+            elif (inner := member(group, prefix, name)) is not None:
+                pending.append((inner, f"{prefix}/{name}", iter(inner)))
     except CheckpointError:
         raise
     except (OSError, RuntimeError, KeyError, ValueError) as exc:
