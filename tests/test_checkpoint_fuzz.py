@@ -13,9 +13,13 @@ from typing import Any
 
 import h5py
 import numpy as np
+import pytest
 from conftest import RANK, SIZE, WORLD, Checker
 
 import dtorch_mpi as dt
+
+# loads of damaged metadata: agreed refusals and plain MPI exchanges, no collective that takes a path
+pytestmark = pytest.mark.path_independent
 
 FLIPS = 160  # sampled metadata bytes (nonzero ones first: headers, type and attribute messages)
 BUDGET_S = 20.0

@@ -16,6 +16,12 @@ from conftest import SIZE, Checker
 import dtorch_mpi as dt
 from dtorch_mpi.checkpoint import pieces, reader
 
+# as test_checkpoint: the save's and load's own exchanges are plain MPI Allreduce/Allgather(v);
+# the path-dependent calls here are a Partial's reduce-scatter before saving and the checks'
+# full_tensor() gathers along each mesh dim, redistributes tested on every path by
+# test_redistribute (every pair, uneven, on 1-D and 2-D meshes) and test_mpi_trace
+pytestmark = pytest.mark.path_independent
+
 ONE_D = [[dt.Shard(0)], [dt.Shard(1)], [dt.Replicate()], [dt.Partial("sum")]]
 MESH_SHAPES = {4: [(2, 2), (2, 1, 2)], 3: [(3, 1), (1, 1, 3)], 2: [(2, 1), (1, 2, 1)], 1: [(1, 1)]}
 SHAPES = [(3, 5), (0, 2)]  # uneven over 2 and 3 ranks (and 1 row for some), and empty

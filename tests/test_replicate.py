@@ -20,6 +20,11 @@ import dtorch_mpi as dt
 from dtorch_mpi import nn
 from dtorch_mpi.nn import functional as F
 
+# replicate reduces gradients with Iallreduce only, the same MPI call on every path (comm/
+# mpi_backend.py); the one other collective, distribute_tensor's scatter of the data, is traced on
+# every path by test_mpi_trace
+pytestmark = pytest.mark.path_independent
+
 R, S0 = dt.Replicate(), dt.Shard(0)
 BUCKETS = [0, 200, nn.utils.BUCKET_BYTES]  # one per gradient, a few, one
 

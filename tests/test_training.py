@@ -120,6 +120,9 @@ def run_steps(plan: str, optimizer: str, task: str, steps: int, *, seed: int = 0
         mesh.free()
 
 
+# what this adds is the resume (checkpoint exchanges: plain MPI); every plan's steps are checked
+# on every path by test_training_matches_the_numpy_reference
+@pytest.mark.path_independent
 @pytest.mark.parametrize("optimizer", sorted(train_mlp.OPTIMIZERS))
 @pytest.mark.parametrize(("saved_on", "resumed_on"), RESUMES)
 def test_resume_on_another_plan_continues_the_uninterrupted_run(saved_on: str, resumed_on: str, optimizer: str,
