@@ -286,7 +286,8 @@ def main() -> int:
                     help="set in the parallel-HDF5 runs' environment (make test: LD_PRELOAD of scripts/ucx_yield.c)")
     ap.add_argument("--phdf5-sizes", default="1,2,4",
                     help="world sizes of the parallel-HDF5 pass (of those in --sizes): uneven pieces at 4 already, "
-                         "and its MPI-IO collectives spin, so each oversubscribed size costs a minute")
+                         "(Debian's MPICH spins in HDF5's MPI-IO collectives: without make's yield preload each "
+                         "oversubscribed size costs a minute)")
     ap.add_argument("--extra-pass", action="append", default=[], metavar="SPEC",
                     help="another pass after the others: 'NAME [python=P] [mpiexec=M] [sizes=1,2] [paths=auto] "
                          "[env=K=V]... [tests=a.py,b.py] [device=emulated] [k=EXPR]' (unset fields: the pip stack's)")
