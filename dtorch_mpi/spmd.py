@@ -19,7 +19,7 @@ from typing import NoReturn
 import numpy as np
 from mpi4py import MPI
 
-from .comm.deadline import wait_request
+from .comm.deadline import allgather_bytes, wait_request
 from .errors import ERROR_TYPES, DTensorError, SPMDDivergenceError
 
 MAX_NDIM = 32
@@ -35,19 +35,6 @@ def _some_ranks(ranks: list[int]) -> str:
         return f"rank {ranks[0]}"
     named = ", ".join(map(str, ranks[:SHOWN]))
     return f"ranks {named}" + (f" and {len(ranks) - SHOWN} more" if len(ranks) > SHOWN else "")
-
-
-def _allgather_bytes(comm: MPI.Intracomm, payload: bytes) -> list[bytes]:
-    lengths = np.zeros(comm.Get_size(), dtype=np.int64)
-    mine = np.array([len(payload)], dtype=np.int64)
-    wait_request(comm.Iallgather(mine, lengths), "the library's error-report exchange (Allgather)")
-    displs = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-    out = np.empty(int(lengths.sum()), dtype=np.uint8)
-    send = np.frombuffer(payload, dtype=np.uint8) if payload else np.empty(0, np.uint8)
-    wait_request(comm.Iallgatherv(send, [out, (lengths.tolist(), displs.tolist()), MPI.BYTE]),
-                 "the library's error-report exchange (Allgatherv)")
-    raw = out.tobytes()
-    return [raw[int(s) : int(s) + int(n)] for s, n in zip(displs, lengths)]
 
 
 def agree(comm: MPI.Intracomm | None, error: BaseException | None) -> None:
@@ -68,7 +55,7 @@ def agree(comm: MPI.Intracomm | None, error: BaseException | None) -> None:
     payload = b""
     if error is not None:
         payload = f"{type(error).__name__}\0{error}".encode("utf-8", "replace")
-    reports = _allgather_bytes(comm, payload)
+    reports = allgather_bytes(comm, payload)
     failures = [(rank, rep.decode("utf-8", "replace")) for rank, rep in enumerate(reports) if rep]
     kinds = [f.split("\0", 1) for _, f in failures]
     cls = ERROR_TYPES.get(kinds[0][0], DTensorError)
@@ -142,7 +129,7 @@ def raise_divergence(comm: MPI.Intracomm, values: Mapping[str, object], what: st
     distinct, first = np.unique(codes, return_index=True)
     shown = sorted(first.tolist())[:SHOWN]  # the first rank holding each of a few distinct values
     speaks = comm.Get_rank() in shown
-    reports = _allgather_bytes(comm, mine.encode() if speaks else b"")
+    reports = allgather_bytes(comm, mine.encode() if speaks else b"")
     texts = {r: reports[r].decode("utf-8", "replace").split("\0") for r in shown}
     more = "" if len(codes) == len(shown) else \
         f" (the other {len(codes) - len(shown)} of {len(codes)} ranks each hold " + \

@@ -20,7 +20,7 @@ import pytest
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.spmd import _allgather_bytes
+from dtorch_mpi.comm.deadline import allgather_bytes
 
 WORLD = MPI.COMM_WORLD
 SIZE = WORLD.Get_size()
@@ -99,7 +99,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     WORLD.Allgather(flag, flags)
     if not flags.any():
         return
-    texts = _allgather_bytes(WORLD, mine)
+    texts = allgather_bytes(WORLD, mine)
     failing = [r for r in range(SIZE) if flags[r]]
     others = [r for r in failing if r != RANK]
     if not others:

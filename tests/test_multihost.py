@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import dtorch_mpi as dt
 from dtorch_mpi._mpi import node_facts
-from dtorch_mpi.spmd import _allgather_bytes
+from dtorch_mpi.comm.deadline import allgather_bytes
 
 pytestmark = pytest.mark.skipif(os.environ.get("DTORCH_TEST_MULTIHOST") != "1",
                                 reason="runs in the multi-host tier (scripts/test_multihost.sh)")
@@ -25,7 +25,7 @@ WORLD = MPI.COMM_WORLD
 
 
 def hostnames() -> list[str]:
-    return [h.decode() for h in _allgather_bytes(WORLD, socket.gethostname().encode())]
+    return [h.decode() for h in allgather_bytes(WORLD, socket.gethostname().encode())]
 
 
 def test_the_job_spans_several_hosts() -> None:
@@ -79,7 +79,7 @@ def test_a_node_local_path_fails_clearly_on_every_rank() -> None:
     naming the ranks that cannot see the directory, and leaves nothing behind."""
     mesh = dt.init_device_mesh("cpu", (WORLD.Get_size(),))
     local_dir = tempfile.mkdtemp(prefix="dtorch-node-local-", dir="/tmp") if WORLD.Get_rank() == 0 else ""
-    local_dir = _allgather_bytes(WORLD, local_dir.encode())[0].decode()
+    local_dir = allgather_bytes(WORLD, local_dir.encode())[0].decode()
     x = dt.ones(4, device_mesh=mesh, placements=[dt.Shard(0)])
     with pytest.raises(dt.CheckpointError) as info:
         dt.save({"x": x}, os.path.join(local_dir, "ckpt.h5"))

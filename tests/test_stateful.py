@@ -127,6 +127,13 @@ def test_named_import_cycles(level: str, a: str, b: str) -> None:
 
 
 @pytest.mark.rank_independent
+def test_no_package_import_cycles() -> None:
+    """Beyond the named ones: no two packages import each other, lazily or not (a comm <-> spmd
+    cycle, the divergence check's text exchange, came in after those were removed)."""
+    assert import_graph.cycles(import_graph.package_graph(import_graph.module_graph())) == []
+
+
+@pytest.mark.rank_independent
 def test_import_graph_sees_lazy_imports_and_skips_type_checking(tmp_path: Any) -> None:
     pkg = tmp_path / "dtorch_mpi"
     (pkg / "sub").mkdir(parents=True)

@@ -30,6 +30,7 @@ import time
 import traceback
 from collections.abc import Callable
 
+import numpy as np
 from mpi4py import MPI
 
 from .. import settings
@@ -113,3 +114,18 @@ def wait_request(request: MPI.Request, what: str) -> None:
                 _watch()
             nap = next_nap(nap, waited)
             time.sleep(nap)
+
+
+def allgather_bytes(comm: MPI.Intracomm, payload: bytes) -> list[bytes]:
+    """Every rank's ``payload`` (bytes of any length, e.g. an error's text), in rank order: an
+    ``Iallgather`` of the lengths and an ``Iallgatherv`` of the bytes, each under the deadline."""
+    lengths = np.zeros(comm.Get_size(), dtype=np.int64)
+    mine = np.array([len(payload)], dtype=np.int64)
+    wait_request(comm.Iallgather(mine, lengths), "the library's error-report exchange (Allgather)")
+    displs = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    out = np.empty(int(lengths.sum()), dtype=np.uint8)
+    send = np.frombuffer(payload, dtype=np.uint8) if payload else np.empty(0, np.uint8)
+    wait_request(comm.Iallgatherv(send, [out, (lengths.tolist(), displs.tolist()), MPI.BYTE]),
+                 "the library's error-report exchange (Allgatherv)")
+    raw = out.tobytes()
+    return [raw[int(s) : int(s) + int(n)] for s, n in zip(displs, lengths)]

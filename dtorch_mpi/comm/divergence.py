@@ -76,7 +76,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveTimeoutError
-from .deadline import wait_request, watch
+from .deadline import allgather_bytes, wait_request, watch
 from .group import Group
 from .work import _ABANDONED, _InFlight
 
@@ -370,9 +370,8 @@ def diverged(group: Group, comm: MPI.Intracomm, twin: Twin | None, describe: Cal
     """The check found different calls (every rank of the group is here): exchange the calls'
     texts on ``comm``, give ``twin`` a fresh data communicator, and raise."""
     from ..errors import SPMDDivergenceError
-    from ..spmd import _allgather_bytes
 
-    calls = [r.decode(errors="replace") for r in _allgather_bytes(comm, describe().encode())]
+    calls = [r.decode(errors="replace") for r in allgather_bytes(comm, describe().encode())]
     if twin is not None:
         twin.renew_data()
     dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
