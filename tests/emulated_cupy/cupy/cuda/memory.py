@@ -5,7 +5,6 @@ would read or write whatever lies there, or fault)."""
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 
 import numpy as np
@@ -37,6 +36,16 @@ def pointer_to(a: np.ndarray) -> MemoryPointer:
     return MemoryPointer(a.__array_interface__["data"][0], owner)
 
 
+class _Bytes:
+    """``nbytes`` of memory at ``ptr`` as NumPy sees it (``__array_interface__``), keeping the
+    allocation alive. (A ctypes array type per size made a new class on every call, each a
+    reference cycle left to the garbage collector once the view was dropped.)"""
+
+    def __init__(self, ptr: int, nbytes: int, owner: np.ndarray) -> None:
+        self.__array_interface__ = {"data": (ptr, False), "shape": (nbytes,), "typestr": "|u1", "version": 3}
+        self.owner = owner
+
+
 def resolve(ptr: int, nbytes: int, what: str) -> tuple[np.ndarray, np.ndarray]:
     """``(uint8 view of nbytes at ptr, the allocation holding it)``; raises if ``[ptr, ptr +
     nbytes)`` is not inside one registered allocation."""
@@ -49,8 +58,7 @@ def resolve(ptr: int, nbytes: int, what: str) -> tuple[np.ndarray, np.ndarray]:
             if ptr + nbytes > end:
                 raise ValueError(f"emulated NCCL: {what} of {nbytes} bytes at {ptr:#x} runs {ptr + nbytes - end} "
                                  f"bytes past its allocation ({owner.nbytes} bytes at {start:#x})")
-            view = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(ptr))[:nbytes]
-            return view, owner
+            return np.asarray(_Bytes(ptr, nbytes, owner)), owner
     raise ValueError(f"emulated NCCL: {what}: {ptr:#x} is not a device pointer (no emulated device array "
                      f"holds it; pass cupy arrays' .data.ptr)")
 
