@@ -185,7 +185,7 @@ test-gpu-emulated: $(STAMP)
 	  $(foreach b,nccl cuda-aware-mpi host-staging,$(call emulated_pass,$(b),$(SIZES),$(GPU_EMULATED_TESTS)))
 
 test-phdf5: $(PHDF5_STAMP) $(PHDF5_YIELD)
-	LD_PRELOAD=$(abspath $(PHDF5_YIELD)) $(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
+	LD_PRELOAD=$(abspath $(PHDF5_YIELD))$${LD_PRELOAD:+:$$LD_PRELOAD} $(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
 	  tests/test_checkpoint.py tests/test_checkpoint_layouts.py tests/test_nn.py tests/test_faults.py
 
 test-slurm: $(STAMP)

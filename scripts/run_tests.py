@@ -181,6 +181,8 @@ def start_run(index: int, spec: Pass, path: str, size: int, first_path: bool, ex
         os.remove(junit)
     env = dict(os.environ, **spec.env, DTORCH_COMM_PATH=path, PYTHONUNBUFFERED="1", MPIEXEC=spec.mpiexec,
                DTORCH_TEST_LOGDIR=logdir)
+    if "LD_PRELOAD" in spec.env and os.environ.get("LD_PRELOAD"):  # the pass's preload beside the caller's
+        env["LD_PRELOAD"] = f"{spec.env['LD_PRELOAD']}:{os.environ['LD_PRELOAD']}"
     if "PYTHONDONTWRITEBYTECODE" not in spec.env:
         env.pop("PYTHONDONTWRITEBYTECODE", None)  # see the module docstring: bytecode caches
     pytest_cmd = [spec.python, "-m", "pytest", "-q", "--color=no", f"--junitxml={junit}", *spec.pytest_args,

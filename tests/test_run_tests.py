@@ -51,6 +51,17 @@ def test_extra_pass_specs() -> None:
         run_tests.parse_pass("sizes=1", PIP)
     with pytest.raises(SystemExit, match="'colour=red' is not"):
         run_tests.parse_pass("emu colour=red", PIP)
+    with pytest.raises(SystemExit, match="'=1' is not NAME=VALUE"):
+        run_tests.parse_pass("emu env==1", PIP)
+
+
+def test_phdf5_env_assignments() -> None:
+    """``--phdf5-env`` (make test: LD_PRELOAD of scripts/ucx_yield.c) takes NAME=VALUE words."""
+    assert run_tests._assignments(["LD_PRELOAD=/x/a.so", "A=b=c", "E="], "--phdf5-env") == {
+        "LD_PRELOAD": "/x/a.so", "A": "b=c", "E": ""}
+    for bad in ("LD_PRELOAD", "=x"):
+        with pytest.raises(SystemExit, match=f"--phdf5-env: '{bad}' is not NAME=VALUE"):
+            run_tests._assignments([bad], "--phdf5-env")
 
 
 def test_counts_come_from_the_junit_report(tmp_path: os.PathLike) -> None:
