@@ -44,7 +44,7 @@ from mpi4py import MPI
 from ..comm.deadline import wait_request
 from ..errors import CheckpointError
 from ..split import split_range
-from .checksum import canonical, digest, reduced_sums, require_hasher, running_digest
+from .checksum import MASK, canonical, digest, reduced_sums, require_hasher, running_digest
 
 ATTRIBUTE = "pieces"
 SUM, WRITTEN, MESH = "xxsum", "written", "mesh_shape"  # the sum check's attributes
@@ -316,7 +316,7 @@ class TileDigests:
 
     def total(self) -> int:
         """The sum mod 2**64 of the tiles' digests (seeded ones: the sum check's term)."""
-        return sum(hasher.intdigest() for hasher in self._hashers) & 0xFFFFFFFFFFFFFFFF
+        return sum(hasher.intdigest() for hasher in self._hashers) & MASK
 
 
 def _slabs(part: np.ndarray) -> Iterator[np.ndarray]:
