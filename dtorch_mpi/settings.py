@@ -89,6 +89,7 @@ def _number(name: str, convert: Callable[[str], N], not_one: str,
 
 COMM_PATHS = ("auto", "padded", "variable")
 PROGRESS_MODES = ("thread", "off")
+CHECK_FORMS = ("auto", "allreduce")
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DTORCH_COMM_PATH", "`auto` \\| `padded` \\| `variable`", "auto",
@@ -106,9 +107,16 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "more, the group compares a fingerprint of the call (one 2-int64 persistent all-reduce "
             "on a communicator of its own; with the MPI backend on MPICH a blocking call's data "
             "moves meanwhile, on another communicator of its own, and nothing is returned before "
-            "the verdict) and raises `SPMDDivergenceError` on every rank instead of returning data "
+            "the verdict; on one node the comparison is a shared-memory board instead, see "
+            "`DTORCH_SPMD_CHECK_FORM`) and raises `SPMDDivergenceError` on every rank instead of returning data "
             "of different calls. `0` turns it off (to measure its cost).",
             _on_unless_empty_or_zero, "first use", "comm/config.py", agreed=True),
+    Setting("DTORCH_SPMD_CHECK_FORM", "`auto` \\| `allreduce`", "auto",
+            "How the divergence check compares a group's fingerprints: `auto` on a shared-memory "
+            "board where the group's ranks share one node (a store and a few loads per check, no "
+            "collective) and with the all-reduce elsewhere; `allreduce` always with the all-reduce "
+            "(for an MPI whose shared-memory windows misbehave). Read when a mesh is built.",
+            _choice("DTORCH_SPMD_CHECK_FORM", CHECK_FORMS), "first use", "comm/config.py", agreed=True),
     Setting("DTORCH_COLLECTIVE_TIMEOUT", "seconds (a number; `0` turns the deadline off)", "600",
             "How long a collective may take before `CollectiveTimeoutError` names it.",
             _number("DTORCH_COLLECTIVE_TIMEOUT", float, "is not a number of seconds"),

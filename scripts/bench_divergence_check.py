@@ -5,11 +5,15 @@ check on and off (``set_spmd_check``), interleaved in one run so a load change h
 
 Run under mpiexec (2-4 ranks). Each sample is ``--inner`` back-to-back calls of one case (the
 slowest rank's time, ranks starting together); the medians of ``--reps`` samples give
-  off us / on us   per redistribute, check off / on
-  check us         on - off: what the check adds per call (a 64 KiB-or-more call carries one
-                   2-int64 persistent all-reduce on the communicator's check twin, overlapping
-                   a blocking call's data on MPICH, plus its fingerprint)
+  off us / on us   per redistribute, check off / on (the default form: on one node, the
+                   shared-memory board)
+  check us         on - off: what the check adds per call (a 64 KiB-or-more call posts its
+                   fingerprint and reads the others' after its data, which moves meanwhile on
+                   MPICH)
   cost %           (on - off) / off
+  allreduce %      the same with DTORCH_SPMD_CHECK_FORM=allreduce (a second mesh: the form of
+                   groups across nodes, one 2-int64 persistent all-reduce per check),
+                   interleaved with the others
 Below 64 KiB no check runs: the on/off difference there is the noise floor of the measurement.
 """
 
@@ -24,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm.config import set_spmd_check
+from dtorch_mpi.comm.config import set_check_form, set_spmd_check
 
 WORLD = MPI.COMM_WORLD
 SIZES = {"1K": 1 << 10, "64K": 64 << 10, "1M": 1 << 20}
@@ -56,6 +60,9 @@ def main() -> None:
     args = ap.parse_args()
     m = WORLD.Get_size()
     mesh = dt.init_device_mesh("cpu", (m,))
+    set_check_form("allreduce")
+    mesh_allreduce = dt.init_device_mesh("cpu", (m,))
+    set_check_form("auto")
     rows = []
     for kind in args.kinds.split(","):
         src, dst = TRANSITIONS[kind]
@@ -63,35 +70,43 @@ def main() -> None:
             for uneven in (False, True):
                 shape = _shape(SIZES[label], m, uneven)
                 full = np.ones(shape, dtype=np.float32)
-                if src[0].is_partial():
-                    x = dt.DTensor.from_local(full, mesh, src, shape=shape)
-                else:
-                    x = dt.distribute_tensor(full, mesh, src)
+                tensors = {}
+                for form, on_mesh in (("board", mesh), ("allreduce", mesh_allreduce)):
+                    if src[0].is_partial():
+                        tensors[form] = dt.DTensor.from_local(full, on_mesh, src, shape=shape)
+                    else:
+                        tensors[form] = dt.distribute_tensor(full, on_mesh, src)
 
-                def call(on: bool, x: dt.DTensor = x, dst: list[dt.Placement] = dst) -> None:
-                    set_spmd_check(on)
-                    x.redistribute(placements=dst)
+                def call(case: str, dst: list[dt.Placement] = dst) -> None:
+                    set_spmd_check(case != "off")
+                    tensors["allreduce" if case == "allreduce" else "board"].redistribute(placements=dst)
 
-                times: dict[bool, list[float]] = {True: [], False: []}
-                for on in (True, False):
-                    _sample(lambda on=on: call(on), args.inner)  # warm-up
+                cases = ("off", "on", "allreduce")
+                times: dict[str, list[float]] = {c: [] for c in cases}
+                for case in cases:
+                    _sample(lambda case=case: call(case), args.inner)  # warm-up
                 for rep in range(args.reps):
-                    for on in ((True, False) if rep % 2 else (False, True)):
-                        times[on].append(_sample(lambda on=on: call(on), args.inner))
-                on_us, off_us = (statistics.median(times[k]) * 1e6 for k in (True, False))
+                    for case in cases[rep % 3:] + cases[:rep % 3]:  # each case first in turn
+                        times[case].append(_sample(lambda case=case: call(case), args.inner))
+                off_us, on_us, allreduce_us = (statistics.median(times[c]) * 1e6 for c in cases)
                 rows.append({"kind": kind, "size": label, "shape": shape, "uneven": uneven, "ranks": m,
                              "off_us": off_us, "on_us": on_us, "check_us": on_us - off_us,
-                             "cost_pct": 100 * (on_us - off_us) / off_us})
+                             "cost_pct": 100 * (on_us - off_us) / off_us,
+                             "allreduce_us": allreduce_us,
+                             "allreduce_pct": 100 * (allreduce_us - off_us) / off_us})
     set_spmd_check(True)
     if WORLD.Get_rank() == 0:
-        print(f"{'kind':7} {'size':4} {'shape':12} {'even':6} {'off us':>9} {'on us':>9} {'check us':>9} {'cost %':>7}")
+        print(f"{'kind':7} {'size':4} {'shape':12} {'even':6} {'off us':>9} {'on us':>9} {'check us':>9} "
+              f"{'cost %':>7} {'allreduce %':>11}")
         for r in rows:
             print(f"{r['kind']:7} {r['size']:4} {r['shape']!s:12} {'uneven' if r['uneven'] else 'even':6} "
-                  f"{r['off_us']:9.1f} {r['on_us']:9.1f} {r['check_us']:9.2f} {r['cost_pct']:7.2f}")
+                  f"{r['off_us']:9.1f} {r['on_us']:9.1f} {r['check_us']:9.2f} {r['cost_pct']:7.2f} "
+                  f"{r['allreduce_pct']:11.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
     mesh.free()
+    mesh_allreduce.free()
 
 
 if __name__ == "__main__":

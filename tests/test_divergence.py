@@ -35,6 +35,35 @@ EDGE = (16, CHECK_FROM // 16 // 8)  # exactly 64 KiB of float64
 OVERLAPS = dt.comm.backend_named("mpi").overlaps  # the check overlaps the data (MPICH; not Open MPI)
 
 
+@pytest.fixture(params=["board", "allreduce"])
+def form(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The check's two forms (DTORCH_SPMD_CHECK_FORM): on one host ``auto`` takes the node's
+    shared-memory board; ``allreduce`` is the form of groups across nodes."""
+    from dtorch_mpi.comm import config
+
+    before = config.check_form()
+    config.set_check_form("auto" if request.param == "board" else "allreduce")
+    yield request.param
+    config.set_check_form(before)
+
+
+@pytest.fixture
+def mesh1d(form: str) -> Iterator[dt.DeviceMesh]:
+    """Every test here runs on a mesh of each form (the suite's shared mesh1d is replaced)."""
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    yield mesh
+    mesh.free()
+
+
+@pytest.fixture
+def mesh2d(form: str) -> Iterator[dt.DeviceMesh]:
+    from conftest import MESH2D_SHAPES
+
+    mesh = dt.init_device_mesh("cpu", MESH2D_SHAPES.get(SIZE, (SIZE, 1)), mesh_dim_names=("dp", "tp"))
+    yield mesh
+    mesh.free()
+
+
 @pytest.fixture
 def debug() -> Iterator[None]:
     from dtorch_mpi.comm import config
@@ -246,21 +275,23 @@ launches_its_own_job = pytest.mark.skipif(MPI.COMM_WORLD.Get_size() > 1,
                                           reason="launches its own mpiexec; runs in the 1-process pass")
 
 
-def _case_output_at_a_2s_deadline(case: str) -> str:
+def _case_output_at_a_2s_deadline(case: str, form: str = "auto") -> str:
     """Run tests/harness_cases/``case`` on 3 ranks with DTORCH_COLLECTIVE_TIMEOUT=2, every rank's
     output shown; the job must exit 0 (every planted divergence raised where the case expects)."""
     proc = mpiexec(3, os.path.join(HERE, "rank_wrapper.sh"), sys.executable, "-m", "pytest", "-q", "-s",
                    "--color=no", "--with-mpi", "-p", "no:randomly",
                    os.path.join(HERE, "harness_cases", case), timeout=120,
-                   env=child_env(DTORCH_TEST_ALL_OUTPUT="1", DTORCH_COLLECTIVE_TIMEOUT="2"))
+                   env=child_env(DTORCH_TEST_ALL_OUTPUT="1", DTORCH_COLLECTIVE_TIMEOUT="2",
+                                 DTORCH_SPMD_CHECK_FORM=form))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     return out
 
 
 @launches_its_own_job
-def test_divergences_without_a_meeting_check_end_at_the_deadline() -> None:
-    out = _case_output_at_a_2s_deadline("case_divergence_deadline.py")
+@pytest.mark.parametrize("check_form", ["auto", "allreduce"])
+def test_divergences_without_a_meeting_check_end_at_the_deadline(check_form: str) -> None:
+    out = _case_output_at_a_2s_deadline("case_divergence_deadline.py", check_form)
     for rank in range(3):
         assert f"rank {rank} raised CollectiveTimeoutError" in out, out
         assert f"rank {rank} raised SPMDDivergenceError:" in out, out
@@ -291,3 +322,58 @@ def test_mismatched_nested_shard_exchanges_raise_by_default(mesh2d: dt.DeviceMes
     _diverges(lambda: x.redistribute(placements=list(targets[0] if RANK == 0 else targets[1])), "exchange")
     y = x.redistribute(placements=list(targets[0]))  # nothing moved before the check
     np.testing.assert_array_equal(y.to_torch(), np.ones(BIG))
+
+
+def _board(ranks: int, count: int) -> Any:
+    """A board of ``ranks`` words in private memory (no window): the verdict's rules alone."""
+    board = divergence._Board.__new__(divergence._Board)
+    board._words = memoryview(bytearray(8 * divergence._LINE * ranks)).cast("B").cast("Q")
+    board._me, board._others = 0, [divergence._LINE * r for r in range(1, ranks)]
+    board._count = count
+    return board
+
+
+@pytest.mark.parametrize("count", [0, 7, 0xFFFF], ids=["first", "later", "wraps"])
+def test_the_board_verdict_reads_each_word_by_its_number(count: int) -> None:
+    """A rank's word holds its check's number (mod 2**16) under the fingerprint's bits: the same
+    number decides (equal word: the same call); the next number means that rank already agreed
+    to this check; the previous means it has not posted yet; any other number is out of step."""
+    fp = 0x1234_5678_9ABC
+    board = _board(3, count)
+    words = board._words
+
+    def word(fingerprint: int, number: int) -> int:
+        return ((fingerprint << 16) | (number & 0xFFFF)) & (2**64 - 1)
+
+    before = word(fp, count - 1)  # each other rank's word from the previous check
+    words[8] = words[16] = before
+    board.post(fp)
+    assert words[0] == word(fp, count) and board._count == count + 1
+    assert board.verdict() is None  # nobody else has posted
+    words[8] = word(fp, count)
+    assert board.verdict() is None  # one has
+    words[16] = word(fp, count)
+    assert board.verdict() is True
+    words[16] = word(fp ^ 1, count)  # the same number, another call
+    assert board.verdict() is False
+    words[16] = word(fp ^ 1, count + 1)  # already agreed (to this word) and posted its next
+    assert board.verdict() is True
+    words[8] = word(fp, count - 1)  # one not posted, the other posted another call: decided
+    words[16] = word(fp ^ 1, count)
+    assert board.verdict() is False
+    words[16] = word(fp, count + 5)  # out of step
+    assert board.verdict() is False
+
+
+def test_a_group_on_one_node_checks_on_the_board(mesh1d: dt.DeviceMesh, form: str) -> None:
+    """In ``auto`` form exactly a group whose ranks share a node (tests/test_multihost.py runs
+    this file across hosts too)."""
+    from dtorch_mpi._mpi import node_id
+
+    group = mesh1d.get_group(0)
+    twin = divergence.twin_of(group)
+    if SIZE == 1:
+        assert twin is None  # a group of one checks nothing
+    else:
+        one_node = len(set(group.allgather(node_id()))) == 1
+        assert twin is not None and (twin.board is not None) == (form == "board" and one_node)

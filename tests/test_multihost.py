@@ -89,3 +89,29 @@ def test_a_node_local_path_fails_clearly_on_every_rank() -> None:
     if WORLD.Get_rank() == 0:
         assert os.listdir(local_dir) == []
         os.rmdir(local_dir)
+
+
+def test_the_divergence_check_takes_the_board_exactly_within_a_host() -> None:
+    """A group whose ranks share a host compares fingerprints on its shared-memory board; a group
+    across hosts with the all-reduce (comm/divergence.py)."""
+    from dtorch_mpi.comm import divergence
+
+    size = WORLD.Get_size()
+    mesh = dt.init_device_mesh("cpu", (size // 2, 2) if size % 2 == 0 else (size, 1), mesh_dim_names=("dp", "tp"))
+    hosts = hostnames()
+    for comm in (mesh.get_comm(), mesh.get_group("dp"), mesh.get_group("tp")):
+        twin = divergence.twin_of(comm)
+        if comm.Get_size() == 1:
+            assert twin is None
+            continue
+        members = [hosts[r] for r in allgather_ranks(comm)]
+        assert twin is not None and (twin.board is not None) == (len(set(members)) == 1), members
+    x = dt.distribute_tensor(np.ones((4 * size, 2048)), mesh, [dt.Shard(0), dt.Shard(1)])  # checked: 64 KiB+
+    np.testing.assert_array_equal(x.redistribute(placements=[dt.Replicate(), dt.Replicate()]).to_local(),
+                                  np.ones((4 * size, 2048)))
+    mesh.free()
+
+
+def allgather_ranks(comm: MPI.Intracomm) -> list[int]:
+    """The world ranks of ``comm``'s members, in its rank order."""
+    return [int(r) for r in comm.allgather(WORLD.Get_rank())]

@@ -111,10 +111,11 @@ def test_first_use_settings_are_kept_and_set_functions_replace_them(monkeypatch:
 
 def test_the_mesh_agrees_on_exactly_the_agreed_settings() -> None:
     assert set(settings.agreed()) == {"DTORCH_COMM_PATH", "DTORCH_SPMD_DEBUG", "DTORCH_SPMD_CHECK",
-                                     "DTORCH_COLLECTIVE_TIMEOUT"}
+                                     "DTORCH_SPMD_CHECK_FORM", "DTORCH_COLLECTIVE_TIMEOUT"}
     assert settings.agreed() == {"DTORCH_COMM_PATH": dt.comm.comm_path(),
                                  "DTORCH_SPMD_DEBUG": dt.comm.config.spmd_debug(),
                                  "DTORCH_SPMD_CHECK": dt.comm.config.spmd_check(),
+                                 "DTORCH_SPMD_CHECK_FORM": dt.comm.config.check_form(),
                                  "DTORCH_COLLECTIVE_TIMEOUT": dt.comm.deadline.collective_timeout()}
 
 

@@ -47,3 +47,14 @@ def spmd_check() -> bool:
 def set_spmd_check(on: bool) -> None:
     """Turn the default divergence check on or off for this process (every rank alike)."""
     settings.put("DTORCH_SPMD_CHECK", bool(on))
+
+
+def check_form() -> str:
+    """``DTORCH_SPMD_CHECK_FORM``: ``auto`` (a shared-memory board for a group on one node, the
+    all-reduce elsewhere) or ``allreduce`` (always); read when a mesh attaches its check twins."""
+    return settings.get("DTORCH_SPMD_CHECK_FORM")
+
+
+def set_check_form(form: str) -> None:
+    """Select the check's form for meshes built from now on (every rank alike)."""
+    settings.put("DTORCH_SPMD_CHECK_FORM", settings.parse("DTORCH_SPMD_CHECK_FORM", form))

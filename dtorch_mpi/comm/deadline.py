@@ -88,14 +88,20 @@ def wait_request(request: MPI.Request, what: str) -> None:
     """Wait until ``request`` completes, or raise ``CollectiveTimeoutError`` naming ``what``.
     Spins first, then backs off to growing naps (module docstring); polls the watched request
     meanwhile (:func:`watch`)."""
-    if request.Test():
-        return
+    if not request.Test():
+        wait_until(request.Test, what)
+
+
+def wait_until(done: Callable[[], bool], what: str) -> None:
+    """Poll ``done()`` until it is true, as :func:`wait_request` waits (the same spin, back-off,
+    watch and deadline): for a request's ``Test``, or for a condition MPI does not signal (the
+    divergence check's shared-memory board, which then also drives MPI's progress itself)."""
     limit = collective_timeout()
     spin = wait_spin()
     start = time.monotonic()
     polls = 0
     nap = 0.0
-    while not request.Test():
+    while not done():
         polls += 1
         if polls % _POLLS_PER_CHECK:
             continue

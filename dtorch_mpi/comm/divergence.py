@@ -8,11 +8,15 @@ data traffic), a data communicator (a second ``Dup``, below) and the count of co
 prologue starts on the communicator (``seq``). A check compares a fingerprint of the call across
 the group: the sequence number, kind, group-wide shape, dtype, op, sizes, the backend's own
 call, and what the caller adds (:func:`call_context`: a packed bucket's ordered parameters,
-``clip_grad_norm_``'s norm type). One all-reduce of two int64 (the least ``h`` and the least
-``-h``) on the check communicator, a persistent one started per check (``MPI_Allreduce_init``
-at attach; ``Iallreduce`` where MPI has none), bounded by the collective deadline: equal on
-every rank, or every rank exchanges the calls' texts (only then) and raises
-``SPMDDivergenceError`` naming each rank's call.
+``clip_grad_norm_``'s norm type). How the group compares them is decided at attach from
+group-wide facts (``DTORCH_SPMD_CHECK_FORM``): where every rank of the group shares one node, on
+a shared-memory board (:class:`_Board`: each rank posts one word and reads the others', no
+collective; a check costs ~0.3 us where an all-reduce cost ~5); elsewhere one all-reduce of two
+int64 (the least ``h`` and the least ``-h``) on the check communicator, a persistent one
+started per check (``MPI_Allreduce_init`` at attach; ``Iallreduce`` where MPI has none). Either
+is bounded by the collective deadline: equal on every rank, or every rank exchanges the calls'
+texts (only then, on the check communicator) and raises ``SPMDDivergenceError`` naming each
+rank's call.
 
 When it runs: in debug mode (``DTORCH_SPMD_DEBUG=1``) for every collective, the fingerprint
 then also holding the user's call site (:func:`user_site`); by default for every collective
@@ -76,7 +80,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveTimeoutError
-from .deadline import allgather_bytes, wait_request, watch
+from .config import check_form
+from .deadline import allgather_bytes, wait_request, wait_until, watch
 from .group import Group
 from .work import _ABANDONED, _InFlight
 
@@ -105,6 +110,9 @@ class _Mismatch(Exception):
     differ, so the wait stops and its request is abandoned (``work.waited``)."""
 
 
+Described = tuple[Callable[..., str], tuple[Any, ...]]
+"""A checked call's text, written only on a mismatch: a function and its arguments."""
+
 _RETIRED: list[MPI.Intracomm] = []
 """Data communicators replaced after a divergence: requests abandoned on them may still be
 progressed by MPI, so they are never freed."""
@@ -117,30 +125,109 @@ def _data_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
     return comm
 
 
+_COUNT = 0xFFFF  # the low 16 bits of a board word: the check's number (mod 2**16) on its twin
+_WORD = (1 << 64) - 1
+_LINE = 8  # uint64 words per rank on the board: each rank's word on a cache line of its own
+
+
+class _Board:
+    """The check of a group whose ranks share one node, without a collective: a shared-memory
+    window (``MPI_Win_allocate_shared``) holding one 64-bit word per rank, each on its own cache
+    line. A check posts this rank's word (the fingerprint's low 48 bits above the check's number
+    on the twin, mod 2**16: one aligned store, never read torn) and reads the others': a word of
+    the same number decides (equal: the same call); the next number means that rank already
+    agreed to this one (it saw every word, this rank's too, equal); the previous number means
+    that rank has not posted yet. No rank can be two numbers ahead of another (its check waits
+    for the other's word), so one word per rank suffices and every rank reads the same words:
+    every rank reaches one verdict. A word a rank posts precedes the data call it starts (the
+    MPI library's own memory ordering makes it visible before that data is), so after the data
+    completes the words of every rank that sent this rank data are there. A waiting check drives
+    MPI's progress (``Iprobe``): a peer may need it to reach its call.
+
+    Why: on one node a check's all-reduce costs about as much as 5 % of a 1 MiB redistribute
+    (5 us at 2 ranks), a post and a read cost ~0.3 us (issue 23 item 12). A group across nodes
+    keeps the all-reduce, where the data itself takes far longer."""
+
+    __slots__ = ("_win", "_words", "_me", "_others", "_count", "_mine", "_probe")
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        size, rank = comm.Get_size(), comm.Get_rank()
+        self._win = MPI.Win.Allocate_shared(8 * _LINE * size if rank == 0 else 0, 8, comm=comm)
+        buf, _ = self._win.Shared_query(0)
+        self._words = buf.cast("Q")  # (a memoryview: one item read or written costs ~50 ns)
+        self._win.Lock_all()  # one passive epoch for the window's life: loads and stores at will
+        self._me = _LINE * rank
+        self._others = [_LINE * r for r in range(size) if r != rank]
+        self._count = 0
+        self._mine = _COUNT  # "before check 0"
+        self._words[self._me] = self._mine
+        self._win.Sync()
+        comm.Barrier()  # (at attach, where the twin's communicators are made) every word is set
+        self._win.Sync()
+        self._probe = comm.Iprobe
+
+    def post(self, fp: int) -> None:
+        """This rank's word for its next check."""
+        self._mine = ((fp << 16) | (self._count & _COUNT)) & _WORD
+        self._count += 1
+        self._words[self._me] = self._mine
+
+    def verdict(self) -> bool | None:
+        """True: every rank posted the same word (or has agreed and moved on); False: some rank
+        posted another; None: some rank has not posted yet."""
+        words, mine = self._words, self._mine
+        number = mine & _COUNT
+        pending = False
+        for i in self._others:
+            word = words[i]
+            if word == mine or word & _COUNT == (number + 1) & _COUNT:
+                continue
+            if word & _COUNT == (number - 1) & _COUNT:
+                pending = True
+                continue
+            return False
+        return None if pending else True
+
+    def posted(self) -> bool:
+        """Whether every rank's word for this check is there (polled while waiting: it also
+        drives MPI's progress)."""
+        self._probe()
+        return self.verdict() is not None
+
+    def free(self) -> None:
+        self._win.Unlock_all()
+        self._win.Free()
+
+
 class Twin:
     """What the divergence check keeps per library communicator: ``comm``, the check twin (a
     ``Dup`` carrying only checks); ``data``, a second ``Dup`` on which the calls the default
     check covers move their data (backends with ``overlaps_check``: :func:`data_group`);
-    ``seq``, the count of collectives started on the original communicator; and the check's
-    buffer (its 2 int64 and the 2 of the result) with its request: one persistent all-reduce
-    (``MPI_Allreduce_init``, started per check: a third of an ``Iallreduce``'s cost) where MPI
-    has them, else an ``Iallreduce`` per check. Every check on a twin takes the same form on
-    every rank (a persistent collective matches only its own starts)."""
+    ``seq``, the count of collectives started on the original communicator; and the check
+    itself, one of two forms decided at attach from group-wide facts (so every check on a twin
+    takes the same form on every rank): where the group shares one node, a shared-memory board
+    (:class:`_Board`); elsewhere one all-reduce of 2 int64 (the least ``fp`` and the least
+    ``-fp``) on ``comm``: a persistent one (``MPI_Allreduce_init``, started per check: a third
+    of an ``Iallreduce``'s cost) where MPI has them, else an ``Iallreduce`` per check (a
+    persistent collective matches only its own starts)."""
 
-    __slots__ = ("comm", "data", "seq", "_groups", "_buf", "_request", "_pending")
+    __slots__ = ("comm", "data", "seq", "board", "watcher", "_groups", "_buf", "_request", "_pending")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm.Dup()
         self.data = _data_comm(comm.Dup())
         self.seq = 0
         self._groups: dict[int | None, Group] = {}
+        self.board = _Board(self.comm) if check_form() == "auto" and _one_node(self.comm) else None
         self._buf = np.zeros(4, dtype=np.int64)
-        self._request: MPI.Prequest | None
-        try:
-            self._request = self.comm.Allreduce_init(self._buf[:2], self._buf[2:], op=MPI.MIN)
-        except (NotImplementedError, MPI.Exception):  # an MPI before 4.0: the same on every rank
-            self._request = None
+        self._request: MPI.Prequest | None = None
+        if self.board is None:
+            try:
+                self._request = self.comm.Allreduce_init(self._buf[:2], self._buf[2:], op=MPI.MIN)
+            except (NotImplementedError, MPI.Exception):  # an MPI before 4.0: the same on every rank
+                self._request = None
         self._pending: MPI.Request = MPI.REQUEST_NULL
+        self.watcher = self.poll  # (bound once: an overlapped check sets it as the data wait's watch)
 
     def data_group(self, group: Group) -> Group:
         """``group`` on the data communicator (one ``Group`` per mesh dim, made once)."""
@@ -150,7 +237,10 @@ class Twin:
         return data
 
     def start(self, fp: int) -> None:
-        """Start comparing ``fp`` across the group: the least ``fp`` and the least ``-fp``."""
+        """Start comparing ``fp`` across the group."""
+        if self.board is not None:
+            self.board.post(fp)
+            return
         buf = self._buf
         buf[0] = fp
         buf[1] = -fp
@@ -160,13 +250,25 @@ class Twin:
         else:
             self._pending = self.comm.Iallreduce(buf[:2], buf[2:], op=MPI.MIN)
 
-    def agreed(self) -> bool:
-        """The completed check's verdict: every rank's ``fp`` the same."""
+    def verdict(self) -> bool | None:
+        """The started check's verdict if it has completed (every rank's ``fp`` the same or
+        not), else None."""
+        if self.board is not None:
+            return self.board.verdict()
+        if not self._pending.Test():
+            return None
         return bool(self._buf.item(2) == -self._buf.item(3))
 
     def settle(self) -> bool:
         """Wait for the started check (under the deadline; abandoned if it times out) and return
         its verdict."""
+        board = self.board
+        if board is not None:
+            same = board.verdict()
+            if same is None:
+                wait_until(board.posted, "the SPMD divergence check (the node's shared-memory board)")
+                same = board.verdict()
+            return bool(same)
         if not self._pending.Test():  # (an overlapped check has mostly completed by now)
             try:
                 wait_request(self._pending, "the SPMD divergence check (Allreduce)")
@@ -178,16 +280,19 @@ class Twin:
     def poll(self) -> None:
         """The watch of a data wait the check overlaps (``deadline.watch``): once the check has
         completed, stop watching, and raise :class:`_Mismatch` if the calls differ."""
-        if self._pending.Test():
+        same = self.verdict()
+        if same is not None:
             watch(None)
-            if not self.agreed():
+            if not same:
                 raise _Mismatch
 
     def abandon(self) -> None:
         """The started check will not complete: MPI may still write into its buffer, which is
         kept for good (``work._ABANDONED``, as a timed-out request's), and later checks on this
         twin use fresh buffers and ``Iallreduce`` (the communicator is unusable after a timeout:
-        the others' next check is the persistent one)."""
+        the others' next check is the persistent one). A board has nothing in flight."""
+        if self.board is not None:
+            return
         _ABANDONED.append(_InFlight(self._pending, (self._buf,)))
         self._pending = MPI.REQUEST_NULL
         self._request = None
@@ -205,10 +310,22 @@ class Twin:
         self._groups.clear()
 
     def free(self) -> None:
+        if self.board is not None:
+            self.board.free()
         if self._request is not None:
             self._request.Free()
         self.comm.Free()
         self.data.Free()
+
+
+def _one_node(comm: MPI.Intracomm) -> bool:
+    """Whether every rank of ``comm`` shares one node (collective; the same answer on every
+    rank: the node split partitions the group)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return bool(node.Get_size() == comm.Get_size())
+    finally:
+        node.Free()
 
 
 _TWINS: dict[int, Twin] = {}
@@ -307,10 +424,10 @@ _MINE = np.empty(2, dtype=np.int64)
 _LOW = np.empty(2, dtype=np.int64)  # a communicator without a twin: waited before the next check
 
 
-def compare(group: Group, twin: Twin | None, fp: int, describe: Callable[[], str]) -> None:
+def compare(group: Group, twin: Twin | None, fp: int, describe: Described) -> None:
     """Every rank of ``group`` makes the call fingerprinted ``fp`` (checked on ``twin``, or on
     ``group.comm`` itself for a communicator the library did not build), or every rank raises
-    ``SPMDDivergenceError`` naming each rank's call (``describe()``, built only then). The
+    ``SPMDDivergenceError`` naming each rank's call (``describe``, written only then). The
     synchronous check: nothing of the call has moved yet."""
     if twin is not None:
         twin.start(fp)
@@ -324,7 +441,7 @@ def compare(group: Group, twin: Twin | None, fp: int, describe: Callable[[], str
         diverged(group, group.comm, None, describe)
 
 
-def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], start: Callable[..., Any],
+def overlapped(twin: Twin, group: Group, fp: int, describe: Described, start: Callable[..., Any],
                moves: Group, args: tuple[Any, ...]) -> Any:
     """The default check overlapping a blocking data call: start the check, then the data call
     ``start(moves, *args)`` (``moves``: ``group`` on ``twin.data``; it waits for its request,
@@ -333,7 +450,7 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], s
     abandoned); every rank raises ``SPMDDivergenceError``. No data is returned before every
     rank's fingerprint has been compared."""
     twin.start(fp)
-    watch(twin.poll)
+    watch(twin.watcher)
     try:
         handle = start(moves, *args)
     except _Mismatch:  # (the watch is off: the poll that raised turned it off)
@@ -342,22 +459,23 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Callable[[], str], s
         watch(None)
         _failed(twin, group, describe, exc)
     watch(None)
-    if not twin.settle():
+    same = twin.verdict()  # (on a board, nearly always known by now: the others posted first)
+    if not (twin.settle() if same is None else same):
         diverged(group, twin.comm, twin, describe)
     return handle
 
 
-def _failed(twin: Twin, group: Group, describe: Callable[[], str], exc: BaseException) -> NoReturn:
+def _failed(twin: Twin, group: Group, describe: Described, exc: BaseException) -> NoReturn:
     """The overlapped data call raised ``exc``: the check tells whether the calls differed (a
     mismatched data call may end in an MPI error, a truncated message), raising
     ``SPMDDivergenceError`` then and ``exc`` otherwise. A data wait that timed out (or was
     interrupted) already waited for the check as long as the deadline: one last look, then the
     check is abandoned with it."""
     if isinstance(exc, CollectiveTimeoutError) or not isinstance(exc, Exception):
-        if not twin._pending.Test():
+        same = twin.verdict()
+        if same is None:
             twin.abandon()
             raise exc
-        same = twin.agreed()
     else:
         same = twin.settle()
     if not same:
@@ -365,13 +483,14 @@ def _failed(twin: Twin, group: Group, describe: Callable[[], str], exc: BaseExce
     raise exc
 
 
-def diverged(group: Group, comm: MPI.Intracomm, twin: Twin | None, describe: Callable[[], str],
+def diverged(group: Group, comm: MPI.Intracomm, twin: Twin | None, describe: Described,
              cause: BaseException | None = None) -> NoReturn:
     """The check found different calls (every rank of the group is here): exchange the calls'
     texts on ``comm``, give ``twin`` a fresh data communicator, and raise."""
     from ..errors import SPMDDivergenceError
 
-    calls = [r.decode(errors="replace") for r in allgather_bytes(comm, describe().encode())]
+    text, args = describe
+    calls = [r.decode(errors="replace") for r in allgather_bytes(comm, text(*args).encode())]
     if twin is not None:
         twin.renew_data()
     dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"

@@ -34,6 +34,7 @@ from .divergence import (
     _TWINS,
     CHECK_FROM,
     OVERLAP,
+    Described,
     Twin,
     compare,
     current_context,
@@ -138,8 +139,9 @@ class Prologued:
         return self.inner.call_for(kind, send, out, facts)
 
     def _fingerprint(self, group: Group, twin: Twin | None, kind: str, shape: tuple[int, ...], send: Any,
-                     out: Any, facts: dict[str, Any], debug: bool) -> tuple[int, Callable[[], str]]:
-        """Step 3's fingerprint of the call, and its text (built only on a mismatch)."""
+                     out: Any, facts: dict[str, Any], debug: bool) -> tuple[int, Described]:
+        """Step 3's fingerprint of the call, and how to write its text (only on a mismatch: a
+        function and its arguments, not a closure, whose cells every checked call would pay)."""
         seq = -1 if twin is None else twin.seq
         context = current_context()
         site = user_site() if debug else ""
@@ -147,16 +149,16 @@ class Prologued:
             call = (kind, shape, out.dtype, *facts.values())
         else:
             call = (kind, shape, out.dtype, *map(_long_digest, facts.values()))
-        fp = fingerprint(seq, call, context, site)
+        return (fingerprint(seq, call, context, site),
+                (self._describe, (kind, shape, send, out, facts, "" if twin is None else f" #{seq}", context, site)))
 
-        def describe() -> str:
-            name, _ = self.inner.call_for(kind, send, out, facts)
-            more = "".join(f", {k}={v}" for k, v in facts.items())
-            number = "" if twin is None else f" #{seq}"
-            at = f" at {site}" if site else ""
-            return f"{kind}({shape}:{out.dtype}{more}, {self.name}={name}){number}{context}{at}"
-
-        return fp, describe
+    def _describe(self, kind: str, shape: tuple[int, ...], send: Any, out: Any, facts: dict[str, Any], number: str,
+                  context: str, site: str) -> str:
+        """A checked call's text, as the divergence error shows each rank's."""
+        name, _ = self.inner.call_for(kind, send, out, facts)
+        more = "".join(f", {k}={v}" for k, v in facts.items())
+        at = f" at {site}" if site else ""
+        return f"{kind}({shape}:{out.dtype}{more}, {self.name}={name}){number}{context}{at}"
 
     def _record(self, kind: str, group: Group, send: Any, out: Any, facts: dict[str, Any], async_op: bool,
                 args: tuple[Any, ...]) -> None:
