@@ -41,6 +41,12 @@ def test_collectives_against_numpy(mesh1d: dt.DeviceMesh, async_op: bool, check:
         check.equal(BACKEND.broadcast(group, buf, 0, async_op).wait(), full, f"broadcast rows={rows}")
         mx = BACKEND.all_reduce(group, full + RANK, np.empty_like(full), "max", async_op).wait()
         check.equal(mx, full + SIZE - 1, f"all_reduce max rows={rows}")
+        for dtype in (np.float64, np.float16):  # in place (MPI_IN_PLACE), and widened (a copy)
+            buf = (full + RANK).astype(dtype)
+            got = BACKEND.all_reduce(group, buf, buf, "sum", async_op).wait()
+            check.true(got is buf, f"all_reduce in place returns its buffer rows={rows} {dtype.__name__}")
+            check.equal(buf, (full * SIZE + SIZE * (SIZE - 1) // 2).astype(dtype),
+                        f"all_reduce in place rows={rows} {dtype.__name__}")
         # all-to-all: Shard(0) -> Shard(1) of a [rows, 2*SIZE+1] array
         wide = np.arange(rows * (2 * SIZE + 1), dtype=np.float32).reshape(rows, 2 * SIZE + 1)
         rsizes, mine_rows = pieces(wide, 0)

@@ -345,6 +345,10 @@ def test_device_backend_broadcast_and_average(check: Checker) -> None:
         want = every.sum(0) / SIZE if dtype == np.float32 else every.sum(0) // SIZE
         got = backend.all_reduce(group, cupy.asarray(mine), cupy.empty((n, 4), dtype), "avg").wait()
         check.equal(got, want.astype(dtype), f"all_reduce avg {np.dtype(dtype)}", exact=False)
+        buf = cupy.asarray(mine)  # in place (send is out: replicate's packed buckets)
+        got = backend.all_reduce(group, buf, buf, "sum").wait()
+        check.true(got is buf, f"all_reduce in place returns its buffer {np.dtype(dtype)}")
+        check.equal(buf, every.sum(0).astype(dtype), f"all_reduce in place {np.dtype(dtype)}")
         part = cupy.empty((sizes[RANK], 4), dtype)
         got = backend.reduce_scatter(group, cupy.asarray(mine), part, 0, sizes, "avg").wait()
         check.equal(got, want[off : off + sizes[RANK]].astype(dtype), f"reduce_scatter avg {np.dtype(dtype)}",

@@ -142,13 +142,15 @@ class _Board:
     every rank reaches one verdict. A word a rank posts precedes the data call it starts (the
     MPI library's own memory ordering makes it visible before that data is), so after the data
     completes the words of every rank that sent this rank data are there. A waiting check drives
-    MPI's progress (``Iprobe``): a peer may need it to reach its call.
+    MPI's whole progress engine (it tests a receive of its own that nothing matches, as
+    comm/progress.py's thread does; ``Iprobe`` would not progress collectives): a peer may be
+    waiting for this rank's side of an earlier nonblocking call before it reaches its check.
 
     Why: on one node a check's all-reduce costs about as much as 5 % of a 1 MiB redistribute
     (5 us at 2 ranks), a post and a read cost ~0.3 us (issue 23 item 12). A group across nodes
     keeps the all-reduce, where the data itself takes far longer."""
 
-    __slots__ = ("_win", "_words", "_me", "_others", "_count", "_mine", "_probe")
+    __slots__ = ("_win", "_words", "_me", "_others", "_count", "_mine", "_never")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         size, rank = comm.Get_size(), comm.Get_rank()
@@ -164,7 +166,8 @@ class _Board:
         self._win.Sync()
         comm.Barrier()  # (at attach, where the twin's communicators are made) every word is set
         self._win.Sync()
-        self._probe = comm.Iprobe
+        self._never = comm.Irecv(bytearray(1), source=rank, tag=0)  # (the check communicator carries
+        # no point-to-point message: nothing matches it)
 
     def post(self, fp: int) -> None:
         """This rank's word for its next check."""
@@ -191,10 +194,12 @@ class _Board:
     def posted(self) -> bool:
         """Whether every rank's word for this check is there (polled while waiting: it also
         drives MPI's progress)."""
-        self._probe()
+        self._never.Test()
         return self.verdict() is not None
 
     def free(self) -> None:
+        self._never.Cancel()
+        self._never.Wait()
         self._win.Unlock_all()
         self._win.Free()
 

@@ -396,13 +396,20 @@ class MPIBackend:
         self, group: Group, send: np.ndarray, out: np.ndarray, reduce_op: str,
         async_op: bool = False,
     ) -> Work | Done:
-        """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum)."""
+        """``out`` = reduction of every rank's ``send`` (``avg`` divides the sum). ``send is out``
+        reduces in place (``MPI_IN_PLACE``: no copy of ``send`` into ``out`` when it starts)
+        where ``out`` is contiguous and of a dtype MPI reduces as it is."""
         m = group.size
         wide = WIDENED.get(out.dtype)
-        src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
+        in_place = send is out and wide is None and out.flags.c_contiguous
         dst = out if wide is None else _empty(out, out.shape, wide)
         mtype, op = _reduction(dst.dtype, reduce_op, _xp(out) is np)
         comm = group.comm
+        sendbuf: Any = MPI.IN_PLACE
+        keep: tuple[Any, ...] = (dst, out)
+        if not in_place:
+            src = _xp(out).ascontiguousarray(send, dtype=wide or out.dtype)
+            sendbuf, keep = [src, mtype], (src, dst, out)
 
         def finish() -> np.ndarray:
             if reduce_op == "avg":
@@ -414,8 +421,8 @@ class MPIBackend:
         return self._run(
             _what("all_reduce", group.mesh_dim, group.size),
             async_op,
-            comm.Iallreduce, ([src, mtype], [dst, mtype]),
-            finish, (src, dst, out), op=op,
+            comm.Iallreduce, (sendbuf, [dst, mtype]),
+            finish, keep, op=op,
         )
 
     def reduce_scatter(

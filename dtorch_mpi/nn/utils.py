@@ -115,8 +115,10 @@ def _all_reduce_bucket(bucket: _Bucket) -> None:
     """One all-reduce of every piece of the bucket, flattened into one buffer."""
     xp, backend = _xp_backend(bucket)
     pieces = [it.piece for it, _ in bucket.items]
-    flat = xp.concatenate([x.reshape(-1) for x in pieces]) if len(pieces) > 1 else pieces[0].reshape(-1)
-    out = xp.empty_like(flat)
+    if len(pieces) > 1:  # packed into a buffer of its own: reduced in place (no copy when MPI starts)
+        flat = out = xp.concatenate([x.reshape(-1) for x in pieces])
+    else:
+        flat, out = pieces[0].reshape(-1), xp.empty_like(pieces[0].reshape(-1))
     with call_context(lambda: _contents(bucket)):
         backend.all_reduce(bucket.group, flat, out, bucket.items[0][1].args[0]).wait()
     at = 0
