@@ -142,15 +142,15 @@ class _Board:
     every rank reaches one verdict. A word a rank posts precedes the data call it starts (the
     MPI library's own memory ordering makes it visible before that data is), so after the data
     completes the words of every rank that sent this rank data are there. A waiting check drives
-    MPI's whole progress engine (it tests a receive of its own that nothing matches, as
-    comm/progress.py's thread does; ``Iprobe`` would not progress collectives): a peer may be
-    waiting for this rank's side of an earlier nonblocking call before it reaches its check.
+    MPI's whole progress engine (it tests a receive that nothing matches, as comm/progress.py's
+    thread does; ``Iprobe`` does not progress collectives): a peer may be waiting for this
+    rank's side of an earlier nonblocking call before it reaches its check.
 
     Why: on one node a check's all-reduce costs about as much as 5 % of a 1 MiB redistribute
     (5 us at 2 ranks), a post and a read cost ~0.3 us (issue 23 item 12). A group across nodes
     keeps the all-reduce, where the data itself takes far longer."""
 
-    __slots__ = ("_win", "_words", "_me", "_others", "_count", "_mine", "_never")
+    __slots__ = ("_win", "_words", "_me", "_others", "_count", "_mine", "_comm")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         size, rank = comm.Get_size(), comm.Get_rank()
@@ -166,8 +166,7 @@ class _Board:
         self._win.Sync()
         comm.Barrier()  # (at attach, where the twin's communicators are made) every word is set
         self._win.Sync()
-        self._never = comm.Irecv(bytearray(1), source=rank, tag=0)  # (the check communicator carries
-        # no point-to-point message: nothing matches it)
+        self._comm = comm
 
     def post(self, fp: int) -> None:
         """This rank's word for its next check."""
@@ -191,15 +190,25 @@ class _Board:
             return False
         return None if pending else True
 
-    def posted(self) -> bool:
-        """Whether every rank's word for this check is there (polled while waiting: it also
-        drives MPI's progress)."""
-        self._never.Test()
-        return self.verdict() is not None
+    def wait(self) -> bool:
+        """Wait (under the deadline) until every rank's word for this check is there, driving
+        MPI's progress meanwhile; the verdict. The receive it tests is from this rank on the
+        check communicator, which carries no point-to-point message: nothing matches it, and
+        it is cancelled when the wait ends."""
+        never = self._comm.Irecv(bytearray(1), source=self._comm.Get_rank(), tag=0)
+
+        def posted() -> bool:
+            never.Test()
+            return self.verdict() is not None
+
+        try:
+            wait_until(posted, "the SPMD divergence check (the node's shared-memory board)")
+        finally:
+            never.Cancel()
+            never.Wait()
+        return bool(self.verdict())
 
     def free(self) -> None:
-        self._never.Cancel()
-        self._never.Wait()
         self._win.Unlock_all()
         self._win.Free()
 
@@ -270,10 +279,7 @@ class Twin:
         board = self.board
         if board is not None:
             same = board.verdict()
-            if same is None:
-                wait_until(board.posted, "the SPMD divergence check (the node's shared-memory board)")
-                same = board.verdict()
-            return bool(same)
+            return board.wait() if same is None else same
         if not self._pending.Test():  # (an overlapped check has mostly completed by now)
             try:
                 wait_request(self._pending, "the SPMD divergence check (Allreduce)")
