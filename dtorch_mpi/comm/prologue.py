@@ -149,14 +149,15 @@ class Prologued:
             call = (kind, shape, out.dtype, *facts.values())
         else:
             call = (kind, shape, out.dtype, *map(_long_digest, facts.values()))
-        return (fingerprint(seq, call, context, site),
-                (self._describe, (kind, shape, send, out, facts, "" if twin is None else f" #{seq}", context, site)))
+        return fingerprint(seq, call, context, site), (self._describe, (kind, shape, send, out, facts, seq, context, site))
 
-    def _describe(self, kind: str, shape: tuple[int, ...], send: Any, out: Any, facts: dict[str, Any], number: str,
+    def _describe(self, kind: str, shape: tuple[int, ...], send: Any, out: Any, facts: dict[str, Any], seq: int,
                   context: str, site: str) -> str:
-        """A checked call's text, as the divergence error shows each rank's."""
+        """A checked call's text, as the divergence error shows each rank's (``seq`` -1: a
+        communicator without a twin, whose calls are not numbered)."""
         name, _ = self.inner.call_for(kind, send, out, facts)
         more = "".join(f", {k}={v}" for k, v in facts.items())
+        number = "" if seq < 0 else f" #{seq}"
         at = f" at {site}" if site else ""
         return f"{kind}({shape}:{out.dtype}{more}, {self.name}={name}){number}{context}{at}"
 
