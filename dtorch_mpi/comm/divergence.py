@@ -411,14 +411,13 @@ def code(text: str) -> int:
 _CALLS: dict[tuple[Any, ...], int] = {}
 
 
-def fingerprint(seq: int, call: tuple[Any, ...], context: str, site: str) -> int:
+def call_digest(call: tuple[Any, ...]) -> int:
     """Call ``call`` (``(kind, group-wide shape, dtype, *facts)``: ints, tuples of ints, digests,
-    strings) made as number ``seq`` as one int64, equal on every rank for equal parts: the
-    strings (and the dtype's ``str``) as :func:`code`, then Python's ``hash`` of the tuple
-    (deterministic for ints and tuples of them, on every rank running one interpreter version;
-    the mesh agrees settings). The call's own part is computed once per distinct call and cached
-    (a program makes the same few calls over and over): a hit costs a third of computing it, and
-    with the check overlapped the fingerprint is most of what a checked call pays."""
+    strings) as one int, equal on every rank for equal parts: the strings (and the dtype's
+    ``str``) as :func:`code`, then Python's ``hash`` of the tuple (deterministic for ints and
+    tuples of them, on every rank running one interpreter version; the mesh agrees settings).
+    Computed once per distinct call and cached (a program makes the same few calls over and
+    over; a compiled redistribute step keeps its own: prologue.py)."""
     static = _CALLS.get(call)
     if static is None:
         kind, shape, dtype, *facts = call
@@ -426,6 +425,12 @@ def fingerprint(seq: int, call: tuple[Any, ...], context: str, site: str) -> int
         if len(_CALLS) >= 4096:
             _CALLS.clear()
         _CALLS[call] = static
+    return static
+
+
+def fingerprint(seq: int, static: int, context: str, site: str) -> int:
+    """The call digested as ``static`` (:func:`call_digest`), made as number ``seq`` on its
+    communicator, with the caller's context and (debug mode) call site, as one int64."""
     if context or site:
         return hash((seq, static, code(context), code(site))) >> 1
     return hash((seq, static)) >> 1

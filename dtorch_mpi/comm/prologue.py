@@ -36,6 +36,7 @@ from .divergence import (
     OVERLAP,
     Described,
     Twin,
+    call_digest,
     compare,
     current_context,
     fingerprint,
@@ -138,28 +139,38 @@ class Prologued:
     def call_for(self, kind: str, send: Any, out: Any, facts: dict[str, Any]) -> tuple[str, bool]:
         return self.inner.call_for(kind, send, out, facts)
 
-    def _fingerprint(self, group: Group, twin: Twin | None, kind: str, shape: tuple[int, ...], send: Any,
-                     out: Any, facts: dict[str, Any], debug: bool) -> tuple[int, Described]:
+    def _fingerprint(self, group: Group, twin: Twin | None, kind: str, shape: Callable[[], tuple[int, ...]],
+                     send: Any, out: Any, facts: dict[str, Any], debug: bool,
+                     digest: list[int | None] | None) -> tuple[int, Described]:
         """Step 3's fingerprint of the call, and how to write its text (only on a mismatch: a
-        function and its arguments, not a closure, whose cells every checked call would pay)."""
+        function and its arguments, not a closure, whose cells every checked call would pay).
+        ``digest``: a compiled redistribute step's cell for its call's digest (the step makes
+        the same call every time: its group, arguments, shapes and dtype are fixed when it
+        compiles), filled at its first check; None: digested from the arguments, through
+        :func:`call_digest`'s cache."""
         seq = -1 if twin is None else twin.seq
         context = current_context()
         site = user_site() if debug else ""
-        if group.size <= 16:  # every size tuple is one entry per rank: short, hashed as it is
-            call = (kind, shape, out.dtype, *facts.values())
-        else:
-            call = (kind, shape, out.dtype, *map(_long_digest, facts.values()))
-        return fingerprint(seq, call, context, site), (self._describe, (kind, shape, send, out, facts, seq, context, site))
+        static = None if digest is None else digest[0]
+        if static is None:
+            if group.size <= 16:  # every size tuple is one entry per rank: short, hashed as it is
+                call = (kind, shape(), out.dtype, *facts.values())
+            else:
+                call = (kind, shape(), out.dtype, *map(_long_digest, facts.values()))
+            static = call_digest(call)
+            if digest is not None:
+                digest[0] = static
+        return fingerprint(seq, static, context, site), (self._describe, (kind, shape, send, out, facts, seq, context, site))
 
-    def _describe(self, kind: str, shape: tuple[int, ...], send: Any, out: Any, facts: dict[str, Any], seq: int,
-                  context: str, site: str) -> str:
+    def _describe(self, kind: str, shape: Callable[[], tuple[int, ...]], send: Any, out: Any,
+                  facts: dict[str, Any], seq: int, context: str, site: str) -> str:
         """A checked call's text, as the divergence error shows each rank's (``seq`` -1: a
         communicator without a twin, whose calls are not numbered)."""
         name, _ = self.inner.call_for(kind, send, out, facts)
         more = "".join(f", {k}={v}" for k, v in facts.items())
         number = "" if seq < 0 else f" #{seq}"
         at = f" at {site}" if site else ""
-        return f"{kind}({shape}:{out.dtype}{more}, {self.name}={name}){number}{context}{at}"
+        return f"{kind}({shape()}:{out.dtype}{more}, {self.name}={name}){number}{context}{at}"
 
     def _record(self, kind: str, group: Group, send: Any, out: Any, facts: dict[str, Any], async_op: bool,
                 args: tuple[Any, ...]) -> None:
@@ -168,8 +179,8 @@ class Prologued:
         counter.record(kind, group.mesh_dim, sent, recv, self.inner.call_for(kind, send, out, facts)[1], async_op)
 
     def _run(self, group: Group, kind: str, shape: Callable[[], tuple[int, ...]], send: Any, out: Any,
-             facts: dict[str, Any], empty: bool, nbytes: int, async_op: bool, start: Callable[..., Handle],
-             *args: Any) -> Handle:
+             facts: dict[str, Any], empty: bool, nbytes: int, async_op: bool, digest: list[int | None] | None,
+             start: Callable[..., Handle], *args: Any) -> Handle:
         """Steps 2-6 (the caller did step 1): ``start(group, *args)`` is the backend's method with
         the call's arguments. ``facts`` is :data:`_NO_FACTS` exactly when neither a check nor a
         counter can be on (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's
@@ -195,7 +206,7 @@ class Prologued:
                     assert twin is not None
                     moves = twin.data_group(group)
                     overlap = not (debug or async_op or send is out)
-                fp, describe = self._fingerprint(group, twin, kind, shape(), send, out, facts, debug)
+                fp, describe = self._fingerprint(group, twin, kind, shape, send, out, facts, debug, digest)
                 if not overlap:
                     compare(group, twin, fp, describe)
         if empty:
@@ -217,16 +228,17 @@ class Prologued:
         return handle
 
     def all_gather(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
-                   async_op: bool = False) -> Handle:
+                   async_op: bool = False, *, digest: list[int | None] | None = None) -> Handle:
         if group.size == 1:
             return _alone(send, out)
         nbytes = out.nbytes
         facts = {"axis": axis, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "all_gather", lambda: out.shape, send, out, facts, out.size == 0, nbytes,
-                         async_op, self.inner.all_gather, send, out, axis, sizes, async_op)
+                         async_op, digest, self.inner.all_gather, send, out, axis, sizes, async_op)
 
     def all_to_all(self, group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
-                   concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False) -> Handle:
+                   concat_axis: int, concat_sizes: Sequence[int], async_op: bool = False, *,
+                   digest: list[int | None] | None = None) -> Handle:
         if group.size == 1:
             return _alone(send, out)
         rows = send.shape[concat_axis]  # this rank's concat_sizes entry
@@ -238,25 +250,27 @@ class Prologued:
         # all ranks' blocks empty (a group-wide fact); a non-empty ``send`` already says no
         empty = not send.size and not nbytes
         return self._run(group, "all_to_all", lambda: _with(send.shape, concat_axis, total), send, out,
-                         facts, empty, nbytes, async_op, self.inner.all_to_all,
+                         facts, empty, nbytes, async_op, digest, self.inner.all_to_all,
                          send, out, split_axis, split_sizes, concat_axis, concat_sizes, async_op)
 
-    def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False) -> Handle:
+    def all_reduce(self, group: Group, send: Any, out: Any, reduce_op: str, async_op: bool = False, *,
+                   digest: list[int | None] | None = None) -> Handle:
         if group.size == 1:
             return _alone(send, out)
         nbytes = out.nbytes
         facts = {"op": reduce_op} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "all_reduce", lambda: out.shape, send, out, facts, out.size == 0, nbytes,
-                         async_op, self.inner.all_reduce, send, out, reduce_op, async_op)
+                         async_op, digest, self.inner.all_reduce, send, out, reduce_op, async_op)
 
     def reduce_scatter(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],
-                       reduce_op: str, async_op: bool = False) -> Handle:
+                       reduce_op: str, async_op: bool = False, *,
+                       digest: list[int | None] | None = None) -> Handle:
         if group.size == 1:
             return _alone(send, out)
         nbytes = send.nbytes
         facts = {"axis": axis, "op": reduce_op, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "reduce_scatter", lambda: send.shape, send, out, facts, send.size == 0, nbytes,
-                         async_op, self.inner.reduce_scatter, send, out, axis, sizes, reduce_op, async_op)
+                         async_op, digest, self.inner.reduce_scatter, send, out, axis, sizes, reduce_op, async_op)
 
     def broadcast(self, group: Group, buf: Any, root: int, async_op: bool = False) -> Handle:
         if group.size == 1:
@@ -264,7 +278,7 @@ class Prologued:
         nbytes = buf.nbytes
         facts = {"root": root} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "broadcast", lambda: buf.shape, buf, buf, facts, buf.size == 0, nbytes,
-                         async_op, self.inner.broadcast, buf, root, async_op)
+                         async_op, None, self.inner.broadcast, buf, root, async_op)
 
     def scatter(self, group: Group, send: Any | None, out: Any, axis: int, sizes: Sequence[int], root: int,
                 async_op: bool = False) -> Handle:
@@ -273,10 +287,10 @@ class Prologued:
         nbytes = out.itemsize * _total(sizes) * _others(out.shape, axis)
         facts = {"axis": axis, "root": root, "sizes": tuple(sizes)} if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "scatter", lambda: _with(out.shape, axis, _total(sizes)), send, out, facts,
-                         not nbytes, nbytes, async_op, self.inner.scatter, send, out, axis, sizes, root, async_op)
+                         not nbytes, nbytes, async_op, None, self.inner.scatter, send, out, axis, sizes, root, async_op)
 
     def exchange(self, group: Group, send: Any, out: Any, layout: Any, shared: tuple[Any, ...] = (),
-                 async_op: bool = False) -> Handle:
+                 async_op: bool = False, *, digest: list[int | None] | None = None) -> Handle:
         """Several mesh dims at once over the mesh communicator (redistribute's ``EXCHANGE``;
         ``layout``: traffic.ExchangeLayout, this rank's blocks; ``shared``: what every rank of
         the call shares, ``(global shape, source placements, target placements)``, which the
@@ -288,4 +302,4 @@ class Prologued:
         nbytes = out.itemsize * prod(shape)
         facts = ({"src": shared[1], "dst": shared[2]} if shared else {}) if _wants_facts(nbytes) else _NO_FACTS
         return self._run(group, "exchange", lambda: shape, send, out, facts, False, nbytes,
-                         async_op, self.inner.exchange, send, out, layout, async_op)  # type: ignore[attr-defined]
+                         async_op, digest, self.inner.exchange, send, out, layout, async_op)  # type: ignore[attr-defined]

@@ -41,6 +41,9 @@ class CompiledStep:
     out_shape: tuple[int, ...]
     run: "Callable[[CompiledStep, Any, Any, Backend, bool], Handle]" = field(repr=False, compare=False)
     empty: Callable[[], Any] = field(repr=False, compare=False)  # a new output buffer (comm/pool.py)
+    digest: list[int | None] = field(default_factory=lambda: [None], repr=False, compare=False)
+    """The divergence check's digest of this step's call, kept at its first check (the call is
+    the same every time the step runs: comm/prologue.py)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,8 @@ def _collective(kind: StepKind) -> Callable[[CompiledStep, Any, Any, Backend, bo
 
     def run(step: CompiledStep, x: Any, xp: Any, backend: Backend, async_op: bool) -> Handle:
         call = getattr(backend, name)
-        return call(step.group, x, step.empty(), *step.args, async_op=async_op)  # type: ignore[no-any-return]
+        return call(step.group, x, step.empty(), *step.args, async_op=async_op,  # type: ignore[no-any-return]
+                    digest=step.digest)
 
     return run
 
