@@ -340,28 +340,28 @@ def test_the_board_verdict_reads_each_word_by_its_number(count: int) -> None:
     to this check; the previous means it has not posted yet; any other number is out of step."""
     fp = 0x1234_5678_9ABC
     board = _board(3, count)
-    words = board._words
+    words, one, two = board._words, divergence._LINE, 2 * divergence._LINE  # the other ranks' words
 
     def word(fingerprint: int, number: int) -> int:
         return ((fingerprint << 16) | (number & 0xFFFF)) & (2**64 - 1)
 
     before = word(fp, count - 1)  # each other rank's word from the previous check
-    words[8] = words[16] = before
+    words[one] = words[two] = before
     board.post(fp)
     assert words[0] == word(fp, count) and board._count == count + 1
     assert board.verdict() is None  # nobody else has posted
-    words[8] = word(fp, count)
+    words[one] = word(fp, count)
     assert board.verdict() is None  # one has
-    words[16] = word(fp, count)
+    words[two] = word(fp, count)
     assert board.verdict() is True
-    words[16] = word(fp ^ 1, count)  # the same number, another call
+    words[two] = word(fp ^ 1, count)  # the same number, another call
     assert board.verdict() is False
-    words[16] = word(fp ^ 1, count + 1)  # already agreed (to this word) and posted its next
+    words[two] = word(fp ^ 1, count + 1)  # already agreed (to this word) and posted its next
     assert board.verdict() is True
-    words[8] = word(fp, count - 1)  # one not posted, the other posted another call: decided
-    words[16] = word(fp ^ 1, count)
+    words[one] = word(fp, count - 1)  # one not posted, the other posted another call: decided
+    words[two] = word(fp ^ 1, count)
     assert board.verdict() is False
-    words[16] = word(fp, count + 5)  # out of step
+    words[two] = word(fp, count + 5)  # out of step
     assert board.verdict() is False
 
 

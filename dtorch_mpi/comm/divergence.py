@@ -475,8 +475,7 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Described, start: Ca
         watch(None)
         _failed(twin, group, describe, exc)
     watch(None)
-    same = twin.verdict()  # (on a board, nearly always known by now: the others posted first)
-    if not (twin.settle() if same is None else same):
+    if not twin.settle():  # (nearly always decided by now: a board's peers posted before their data)
         diverged(group, twin.comm, twin, describe)
     return handle
 

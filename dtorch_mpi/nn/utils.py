@@ -118,7 +118,8 @@ def _all_reduce_bucket(bucket: _Bucket) -> None:
     if len(pieces) > 1:  # packed into a buffer of its own: reduced in place (no copy when MPI starts)
         flat = out = xp.concatenate([x.reshape(-1) for x in pieces])
     else:
-        flat, out = pieces[0].reshape(-1), xp.empty_like(pieces[0].reshape(-1))
+        flat = pieces[0].reshape(-1)
+        out = xp.empty_like(flat)
     with call_context(lambda: _contents(bucket)):
         backend.all_reduce(bucket.group, flat, out, bucket.items[0][1].args[0]).wait()
     at = 0
