@@ -77,7 +77,7 @@ endif
 
 .PHONY: test demo install install-phdf5 test-phdf5 test-slurm test-multihost test-gpu-emulated lint bench plots docs fuzz clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml setup.py dtorch_mpi/comm/_board.c Makefile
 	@echo "==> [$(VENV)] creating the venv with $(PYTHON)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(PIP_INSTALL) --upgrade pip
@@ -92,7 +92,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-$(PHDF5_STAMP): pyproject.toml Makefile
+$(PHDF5_STAMP): pyproject.toml setup.py dtorch_mpi/comm/_board.c Makefile
 	@echo "==> [$(PHDF5_VENV)] the parallel-HDF5 stack: a second venv, mpi4py and h5py built from source"
 	@echo "    against $(PHDF5_MPICC) and $(PHDF5_PKGCONFIG) (first time only; about 5-15 min; skip it with PHDF5=0)"
 	@if ! ( command -v $(PHDF5_MPICC) >/dev/null && pkg-config --exists $(PHDF5_PKGCONFIG) 2>/dev/null ); then \

@@ -324,31 +324,46 @@ def test_mismatched_nested_shard_exchanges_raise_by_default(mesh2d: dt.DeviceMes
     np.testing.assert_array_equal(y.to_torch(), np.ones(BIG))
 
 
-def _board(ranks: int, count: int) -> Any:
+def _board(ranks: int, count: int, compiled: bool) -> Any:
     """A board of ``ranks`` words in private memory (no window): the verdict's rules alone."""
-    board = divergence._Board.__new__(divergence._Board)
-    board._words = memoryview(bytearray(8 * divergence._LINE * ranks)).cast("B").cast("Q")
-    board._me, board._others = 0, [divergence._LINE * r for r in range(1, ranks)]
-    board._count = count
-    return board
+    words = memoryview(bytearray(8 * divergence._LINE * ranks)).cast("B").cast("Q")
+    return divergence._Board.in_memory(words, 0, [divergence._LINE * r for r in range(1, ranks)], count, compiled)
 
 
+def test_the_board_is_compiled_where_it_can_be() -> None:
+    """The install builds comm/_board.c (setup.py) wherever there is a C compiler and Python's
+    headers; the Python rules are the fallback only where there are not."""
+    import shutil
+    import sysconfig
+
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    if not (headers and shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")):
+        pytest.skip("no C compiler or Python headers here: the board runs its Python rules")
+    assert divergence.COMPILED, "comm/_board.c was not built: reinstall (pip install -e .) and read its build output"
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("count", [0, 7, 0xFFFF], ids=["first", "later", "wraps"])
-def test_the_board_verdict_reads_each_word_by_its_number(count: int) -> None:
-    """A rank's word holds its check's number (mod 2**16) under the fingerprint's bits: the same
-    number decides (equal word: the same call); the next number means that rank already agreed
-    to this check; the previous means it has not posted yet; any other number is out of step."""
+def test_the_board_verdict_reads_each_word_by_its_number(count: int, compiled: bool) -> None:
+    """A rank's word holds its check's number (mod 2**16) under the fingerprint's low 48 bits
+    (a negative fingerprint as two's complement): the same number decides (equal word: the same
+    call); the next number means that rank already agreed to this check; the previous means it
+    has not posted yet; any other number is out of step. The compiled board and the Python
+    rules alike."""
+    if compiled and not divergence.COMPILED:
+        pytest.skip("comm/_board.c is not built here")
     fp = 0x1234_5678_9ABC
-    board = _board(3, count)
+    board = _board(3, count, compiled)
     words, one, two = board._words, divergence._LINE, 2 * divergence._LINE  # the other ranks' words
 
     def word(fingerprint: int, number: int) -> int:
         return ((fingerprint << 16) | (number & 0xFFFF)) & (2**64 - 1)
 
     before = word(fp, count - 1)  # each other rank's word from the previous check
+    assert words[0] == word(0, count - 1)  # this rank's before its first post
     words[one] = words[two] = before
     board.post(fp)
-    assert words[0] == word(fp, count) and board._count == count + 1
+    assert words[0] == word(fp, count)
     assert board.verdict() is None  # nobody else has posted
     words[one] = word(fp, count)
     assert board.verdict() is None  # one has
@@ -363,6 +378,11 @@ def test_the_board_verdict_reads_each_word_by_its_number(count: int) -> None:
     assert board.verdict() is False
     words[two] = word(fp, count + 5)  # out of step
     assert board.verdict() is False
+    negative = -(fp << 20) - 3  # the next check: numbered count + 1, a negative fingerprint
+    board.post(negative)
+    assert words[0] == word(negative, count + 1)
+    words[one] = words[two] = word(negative, count + 1)
+    assert board.verdict() is True
 
 
 def test_a_group_on_one_node_checks_on_the_board(mesh1d: dt.DeviceMesh, form: str) -> None:
