@@ -156,6 +156,13 @@ def test_an_error_in_an_overlapped_data_call_becomes_the_verdict(mesh1d: dt.Devi
                                   np.ones(BIG))
 
 
+def _count_checks(monkeypatch: pytest.MonkeyPatch, checks: list[int]) -> None:
+    """Append every check's fingerprint to ``checks``: every check on a twin starts with its
+    ``start`` (overlapped or not)."""
+    for twin in divergence._TWINS.values():
+        monkeypatch.setattr(twin, "start", lambda fp, start=twin.start: (checks.append(fp), start(fp))[1])
+
+
 @ranks
 def test_checked_calls_move_their_data_on_the_data_communicator(mesh1d: dt.DeviceMesh,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
@@ -163,17 +170,22 @@ def test_checked_calls_move_their_data_on_the_data_communicator(mesh1d: dt.Devic
     blocking (the check overlapped) or not (the check first); below it on the mesh's own
     communicator, with no check and nothing watched: the small call costs what it did. (On an
     MPI the check does not overlap on, every call moves on the mesh's communicator.)"""
-    from dtorch_mpi.comm import deadline
+    from dtorch_mpi.comm import prologue
     from dtorch_mpi.comm.mpi_backend import MPIBackend
 
     comms: list[MPI.Intracomm] = []
     checks: list[int] = []
     watched: list[object] = []
-    gather, start, watch = MPIBackend.all_gather, divergence.Twin.start, deadline.watch
+    gather, check_overlapping = MPIBackend.all_gather, prologue.overlapped
     monkeypatch.setattr(MPIBackend, "all_gather",
                         lambda self, group, *a, **k: (comms.append(group.comm), gather(self, group, *a, **k))[1])
-    monkeypatch.setattr(divergence.Twin, "start", lambda twin, fp: (checks.append(fp), start(twin, fp))[1])
-    monkeypatch.setattr(divergence, "watch", lambda poll: (watched.append(poll), watch(poll))[1])
+    _count_checks(monkeypatch, checks)
+
+    def watching(twin: divergence.Twin, *args: Any) -> Any:  # the overlapped check: the data wait watches it
+        watched.append(twin.watcher)
+        return check_overlapping(twin, *args)
+
+    monkeypatch.setattr(prologue, "overlapped", watching)
     below = (16, EDGE[1] - 1)
     for shape, async_op, checked, overlapped in ((below, False, False, False), (below, True, False, False),
                                                  (EDGE, False, True, True), (BIG, True, True, False)):
@@ -256,8 +268,7 @@ def test_the_default_check_runs_from_64_kib_only(mesh1d: dt.DeviceMesh, mesh2d: 
     """Below 64 KiB on every rank no check runs (it costs the count of the call only); from 64 KiB
     every collective is checked once, on every rank alike (uneven pieces: the size is group-wide)."""
     checks: list[int] = []
-    real = divergence.Twin.start  # every check on a twin starts here (overlapped or not)
-    monkeypatch.setattr(divergence.Twin, "start", lambda twin, fp: (checks.append(fp), real(twin, fp))[1])
+    _count_checks(monkeypatch, checks)
     below = (16, EDGE[1] - 1)
     for shape, want in ((below, 0), (EDGE, 1), (BIG, 1)):
         x = dt.distribute_tensor(np.ones(shape), mesh1d, [S0])

@@ -80,6 +80,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveTimeoutError
+from . import deadline
 from .config import check_form
 from .deadline import allgather_bytes, wait_request, wait_until, watch
 from .group import Group
@@ -250,7 +251,8 @@ class Twin:
     of an ``Iallreduce``'s cost) where MPI has them, else an ``Iallreduce`` per check (a
     persistent collective matches only its own starts)."""
 
-    __slots__ = ("comm", "data", "seq", "board", "watcher", "_groups", "_buf", "_request", "_pending")
+    __slots__ = ("comm", "data", "seq", "board", "start", "verdict", "watcher", "_groups", "_buf", "_request",
+                 "_pending")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm.Dup()
@@ -266,7 +268,13 @@ class Twin:
             except (NotImplementedError, MPI.Exception):  # an MPI before 4.0: the same on every rank
                 self._request = None
         self._pending: MPI.Request = MPI.REQUEST_NULL
-        self.watcher = self.poll  # (bound once: an overlapped check sets it as the data wait's watch)
+        # (bound once, each a slot: a check calls them directly)
+        self.start: Callable[[int], None] = self._start_allreduce if self.board is None else self.board.post
+        """Start comparing ``fp`` across the group (every check on the twin starts here)."""
+        self.verdict: Callable[[], bool | None] = self._allreduce_verdict if self.board is None else self.board.verdict
+        """The started check's verdict if it has completed (every rank's ``fp`` the same or not),
+        else None."""
+        self.watcher = self.poll  # (an overlapped check sets it as the data wait's watch)
 
     def data_group(self, group: Group) -> Group:
         """``group`` on the data communicator (one ``Group`` per mesh dim, made once)."""
@@ -275,11 +283,7 @@ class Twin:
             data = self._groups[group.mesh_dim] = Group(self.data, group.mesh_dim)
         return data
 
-    def start(self, fp: int) -> None:
-        """Start comparing ``fp`` across the group."""
-        if self.board is not None:
-            self.board.post(fp)
-            return
+    def _start_allreduce(self, fp: int) -> None:
         buf = self._buf
         buf[0] = fp
         buf[1] = -fp
@@ -289,11 +293,7 @@ class Twin:
         else:
             self._pending = self.comm.Iallreduce(buf[:2], buf[2:], op=MPI.MIN)
 
-    def verdict(self) -> bool | None:
-        """The started check's verdict if it has completed (every rank's ``fp`` the same or
-        not), else None."""
-        if self.board is not None:
-            return self.board.verdict()
+    def _allreduce_verdict(self) -> bool | None:
         if not self._pending.Test():
             return None
         return bool(self._buf.item(2) == -self._buf.item(3))
@@ -490,19 +490,18 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Described, start: Ca
     verdict of different calls while the data is in flight ends the data wait (its request
     abandoned); every rank raises ``SPMDDivergenceError``. No data is returned before every
     rank's fingerprint has been compared."""
-    board = twin.board
     twin.start(fp)
-    watch(twin.watcher)
+    deadline._watch = twin.watcher  # (deadline.watch's effect, without a call: every checked call's path)
     try:
         handle = start(moves, *args)
     except _Mismatch:  # (the watch is off: the poll that raised turned it off)
         diverged(group, twin.comm, twin, describe)
     except BaseException as exc:
-        watch(None)
+        deadline._watch = None
         _failed(twin, group, describe, exc)
-    watch(None)
+    deadline._watch = None
     # nearly always decided by now (a board's peers posted before their data)
-    if (board is None or board.verdict() is not True) and not twin.settle():
+    if twin.verdict() is not True and not twin.settle():
         diverged(group, twin.comm, twin, describe)
     return handle
 
