@@ -16,11 +16,11 @@ check: the calls MPI sees do not depend on the settings, and the polled nonblock
 as fast as MPICH 5's blocking ones or faster (``Allgatherv`` 2-3.5x faster at 1-64 MB;
 ``Alltoallv`` 1.3-1.7x; docs/performance.md).
 
-A wait may watch a second request (:func:`watch`): the divergence check that overlaps a
-blocking data call (comm/divergence.py). It is polled before each nap, once the wait has spun
-for ``DTORCH_WAIT_SPIN``, so a wait that ends while it spins pays nothing for it (the caller
-takes the verdict after the data), and it ends the wait by raising (the check found the calls
-differ: the data may never complete).
+A wait may watch something beside its request (:func:`watch`, set once by
+comm/divergence.py: the divergence check that overlaps a blocking data call). It is polled
+before each nap, once the wait has spun for ``DTORCH_WAIT_SPIN``, so a wait that ends while it
+spins pays nothing for it (the caller takes the verdict after the data), and it ends the wait
+by raising (the check found the calls differ: the data may never complete).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ _watch: Callable[[], None] | None = None
 
 def watch(poll: Callable[[], None] | None) -> None:
     """While set, every wait calls ``poll()`` before each nap (after its spin); ``poll`` raises to
-    end the wait (the caller abandons the request it waited for) and calls ``watch(None)`` once
-    there is nothing more to watch. Set only around one blocking data call (comm/divergence.py)."""
+    end the wait (the caller abandons the request it waited for). Set once, by comm/divergence.py
+    (``poll`` looks for a check overlapping a data wait: cheap, and rare, as naps are)."""
     global _watch
     _watch = poll
 

@@ -80,7 +80,6 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveTimeoutError
-from . import deadline
 from .config import check_form
 from .deadline import allgather_bytes, wait_request, wait_until, watch
 from .group import Group
@@ -251,8 +250,8 @@ class Twin:
     of an ``Iallreduce``'s cost) where MPI has them, else an ``Iallreduce`` per check (a
     persistent collective matches only its own starts)."""
 
-    __slots__ = ("comm", "data", "seq", "board", "start", "verdict", "watcher", "_groups", "_buf", "_request",
-                 "_pending")
+    __slots__ = ("comm", "data", "seq", "board", "start", "verdict", "overlapping", "_groups", "_buf",
+                 "_request", "_pending")
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm.Dup()
@@ -274,7 +273,7 @@ class Twin:
         self.verdict: Callable[[], bool | None] = self._allreduce_verdict if self.board is None else self.board.verdict
         """The started check's verdict if it has completed (every rank's ``fp`` the same or not),
         else None."""
-        self.watcher = self.poll  # (an overlapped check sets it as the data wait's watch)
+        self.overlapping = False  # a check of this twin overlaps a data wait now (overlapped)
 
     def data_group(self, group: Group) -> Group:
         """``group`` on the data communicator (one ``Group`` per mesh dim, made once)."""
@@ -314,11 +313,11 @@ class Twin:
         return bool(self._buf.item(2) == -self._buf.item(3))
 
     def poll(self) -> None:
-        """The watch of a data wait the check overlaps (``deadline.watch``): once the check has
-        completed, stop watching, and raise :class:`_Mismatch` if the calls differ."""
+        """Poll the check overlapping a data wait (:func:`_poll_overlapping`): once it has
+        completed, it no longer overlaps, and :class:`_Mismatch` is raised if the calls differ."""
         same = self.verdict()
         if same is not None:
-            watch(None)
+            self.overlapping = False
             if not same:
                 raise _Mismatch
 
@@ -386,6 +385,21 @@ def detach(comm: MPI.Intracomm) -> None:
 
 def twin_of(comm: MPI.Intracomm) -> Twin | None:
     return _TWINS.get(id(comm))
+
+
+def _poll_overlapping() -> None:
+    """The data waits' watch (``deadline.watch``: polled before each nap, once a wait has spun):
+    the check of the twin whose data the wait may be for, if one overlaps a data wait now
+    (:func:`overlapped`), raising :class:`_Mismatch` when it found different calls. A twin's
+    flag, not a watch set and unset around every data call: a store into the twin, which the
+    check touches anyway, costs nothing; the watch's own global, cold after a 1 MiB copy,
+    cost ~0.8 us per call (issue 23 item 12)."""
+    for twin in list(_TWINS.values()):
+        if twin.overlapping:
+            twin.poll()
+
+
+watch(_poll_overlapping)
 
 
 @contextmanager
@@ -491,15 +505,15 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Described, start: Ca
     abandoned); every rank raises ``SPMDDivergenceError``. No data is returned before every
     rank's fingerprint has been compared."""
     twin.start(fp)
-    deadline._watch = twin.watcher  # (deadline.watch's effect, without a call: every checked call's path)
+    twin.overlapping = True  # (the data waits' watch polls it: _poll_overlapping)
     try:
         handle = start(moves, *args)
-    except _Mismatch:  # (the watch is off: the poll that raised turned it off)
+    except _Mismatch:  # (no longer overlapping: the poll that raised said so)
         diverged(group, twin.comm, twin, describe)
     except BaseException as exc:
-        deadline._watch = None
+        twin.overlapping = False
         _failed(twin, group, describe, exc)
-    deadline._watch = None
+    twin.overlapping = False
     # nearly always decided by now (a board's peers posted before their data)
     if twin.verdict() is not True and not twin.settle():
         diverged(group, twin.comm, twin, describe)
