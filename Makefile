@@ -30,6 +30,7 @@ PATHS    ?= auto,variable,padded
 PIP      := $(VENV)/bin/pip
 PY       := $(VENV)/bin/python
 STAMP    := $(VENV)/.installed
+BOARD_STAMP := $(VENV)/.board-built
 # a system MPI: mpi4py from source, never from pip's wheel cache (which keeps a wheel built
 # against whichever MPI was around the first time)
 MPI4PY_SOURCE := $(if $(MPI_WHEEL),,--no-binary=mpi4py --no-cache-dir)
@@ -67,17 +68,17 @@ export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 endif
 
 ifeq ($(PHDF5),1)
-TEST_DEPS := $(STAMP) $(PHDF5_STAMP) $(PHDF5_YIELD)
+TEST_DEPS := $(STAMP) $(BOARD_STAMP) $(PHDF5_STAMP) $(PHDF5_YIELD)
 PHDF5_ARGS := --phdf5-python $(PHDF5_VENV)/bin/python --phdf5-mpiexec "$(PHDF5_MPIEXEC)" \
   --phdf5-env LD_PRELOAD=$(abspath $(PHDF5_YIELD))
 else
-TEST_DEPS := $(STAMP)
+TEST_DEPS := $(STAMP) $(BOARD_STAMP)
 PHDF5_ARGS :=
 endif
 
 .PHONY: test demo install install-phdf5 test-phdf5 test-slurm test-multihost test-gpu-emulated lint bench plots docs fuzz clean
 
-$(STAMP): pyproject.toml setup.py dtorch_mpi/comm/_board.c Makefile
+$(STAMP): pyproject.toml setup.py Makefile
 	@echo "==> [$(VENV)] creating the venv with $(PYTHON)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(PIP_INSTALL) --upgrade pip
@@ -90,9 +91,15 @@ $(STAMP): pyproject.toml setup.py dtorch_mpi/comm/_board.c Makefile
 	$(PY) scripts/check_mpi.py --mpiexec "$(MPIEXEC)" --expect "$(MPI_WHEEL)"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) $(BOARD_STAMP)
 
-$(PHDF5_STAMP): pyproject.toml setup.py dtorch_mpi/comm/_board.c Makefile
+# the compiled divergence-check board (setup.py) rebuilt in place when its source changes (one
+# build serves every venv of this Python: the module lives in the source tree)
+$(BOARD_STAMP): dtorch_mpi/comm/_board.c $(STAMP)
+	$(PIP) install -q $(PIP_INSTALL) --no-deps -e .
+	touch $@
+
+$(PHDF5_STAMP): pyproject.toml setup.py Makefile
 	@echo "==> [$(PHDF5_VENV)] the parallel-HDF5 stack: a second venv, mpi4py and h5py built from source"
 	@echo "    against $(PHDF5_MPICC) and $(PHDF5_PKGCONFIG) (first time only; about 5-15 min; skip it with PHDF5=0)"
 	@if ! ( command -v $(PHDF5_MPICC) >/dev/null && pkg-config --exists $(PHDF5_PKGCONFIG) 2>/dev/null ); then \

@@ -1,7 +1,8 @@
 /* The divergence check's shared-memory board (comm/divergence.py's _Board), compiled: a check's
  * post and verdict are a few loads and stores, but run as Python right after a 1 MiB copy has
  * evicted the interpreter's caches they cost ~1.4 us each, about 2 % of a 1 MiB redistribute
- * at 2 ranks (issue 23 item 12); here ~0.3 us each. The rules are _Board._post and
+ * at 2 ranks (issue 23 item 12); here ~0.5 and ~0.9 us (the verdict reads the other ranks'
+ * cache lines). The rules are _Board._post and
  * _Board._verdict's, word for word (tests/test_divergence.py runs one test on both): a word is
  * the fingerprint's low 48 bits above the check's number mod 2**16; the same number decides,
  * the next means agreed, the previous means not yet posted. The stores and loads are atomic
