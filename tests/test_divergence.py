@@ -341,6 +341,34 @@ def _board(ranks: int, count: int, compiled: bool) -> Any:
     return divergence._Board.in_memory(words, 0, [divergence._LINE * r for r in range(1, ranks)], count, compiled)
 
 
+def test_a_data_wait_polls_only_the_check_its_own_thread_overlaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data waits' watch polls the twin whose check overlaps this thread's wait, never one
+    another thread's wait is on (a checkpoint save's writer must not take the main thread's
+    verdict)."""
+    import threading
+
+    class Marked:
+        def __init__(self) -> None:
+            self.overlapping, self.polled_by = 0, []
+
+        def poll(self) -> None:
+            self.polled_by.append(threading.get_ident())
+
+    mine, other, idle = Marked(), Marked(), Marked()
+    go = threading.Event()
+    worker = threading.Thread(target=lambda: (go.wait(), divergence._poll_overlapping()))
+    worker.start()
+    mine.overlapping, other.overlapping = threading.get_ident(), worker.ident
+    for key, twin in enumerate((mine, other, idle)):
+        monkeypatch.setitem(divergence._TWINS, -1 - key, twin)
+    divergence._poll_overlapping()  # this thread's wait
+    go.set()  # the worker's wait
+    worker.join()
+    assert mine.polled_by == [threading.get_ident()]
+    assert other.polled_by == [worker.ident]
+    assert idle.polled_by == []
+
+
 def test_the_board_is_compiled_where_it_can_be() -> None:
     """The install builds comm/_board.c (setup.py) wherever there is a C compiler and Python's
     headers; the Python rules are the fallback only where there are not."""

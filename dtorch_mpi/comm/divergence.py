@@ -74,6 +74,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from threading import get_ident
 from typing import Any, NoReturn
 
 import numpy as np
@@ -273,7 +274,7 @@ class Twin:
         self.verdict: Callable[[], bool | None] = self._allreduce_verdict if self.board is None else self.board.verdict
         """The started check's verdict if it has completed (every rank's ``fp`` the same or not),
         else None."""
-        self.overlapping = False  # a check of this twin overlaps a data wait now (overlapped)
+        self.overlapping = 0  # the thread whose data wait a check of this twin overlaps now (overlapped)
 
     def data_group(self, group: Group) -> Group:
         """``group`` on the data communicator (one ``Group`` per mesh dim, made once)."""
@@ -317,7 +318,7 @@ class Twin:
         completed, it no longer overlaps, and :class:`_Mismatch` is raised if the calls differ."""
         same = self.verdict()
         if same is not None:
-            self.overlapping = False
+            self.overlapping = 0
             if not same:
                 raise _Mismatch
 
@@ -389,13 +390,15 @@ def twin_of(comm: MPI.Intracomm) -> Twin | None:
 
 def _poll_overlapping() -> None:
     """The data waits' watch (``deadline.watch``: polled before each nap, once a wait has spun):
-    the check of the twin whose data the wait may be for, if one overlaps a data wait now
-    (:func:`overlapped`), raising :class:`_Mismatch` when it found different calls. A twin's
-    flag, not a watch set and unset around every data call: a store into the twin, which the
-    check touches anyway, costs nothing; the watch's own global, cold after a 1 MiB copy,
-    cost ~0.8 us per call (issue 23 item 12)."""
+    the check that overlaps this thread's data wait, if one does (:func:`overlapped`), raising
+    :class:`_Mismatch` when it found different calls. Another thread's waits (a checkpoint
+    save's writer) leave it alone. The twin carries the mark: a store into the twin, which the
+    check touches anyway, costs little, where setting and clearing a watch around every data
+    call cost ~0.8 us per call once a 1 MiB copy had left the watch's global cold (issue 23
+    item 12)."""
+    me = get_ident()
     for twin in list(_TWINS.values()):
-        if twin.overlapping:
+        if twin.overlapping == me:
             twin.poll()
 
 
@@ -505,15 +508,15 @@ def overlapped(twin: Twin, group: Group, fp: int, describe: Described, start: Ca
     abandoned); every rank raises ``SPMDDivergenceError``. No data is returned before every
     rank's fingerprint has been compared."""
     twin.start(fp)
-    twin.overlapping = True  # (the data waits' watch polls it: _poll_overlapping)
+    twin.overlapping = get_ident()  # (this thread's data waits poll the check: _poll_overlapping)
     try:
         handle = start(moves, *args)
     except _Mismatch:  # (no longer overlapping: the poll that raised said so)
         diverged(group, twin.comm, twin, describe)
     except BaseException as exc:
-        twin.overlapping = False
+        twin.overlapping = 0
         _failed(twin, group, describe, exc)
-    twin.overlapping = False
+    twin.overlapping = 0
     # nearly always decided by now (a board's peers posted before their data)
     if twin.verdict() is not True and not twin.settle():
         diverged(group, twin.comm, twin, describe)
