@@ -341,6 +341,30 @@ def _board(ranks: int, count: int, compiled: bool) -> Any:
     return divergence._Board.in_memory(words, 0, [divergence._LINE * r for r in range(1, ranks)], count, compiled)
 
 
+@ranks
+def test_a_compiled_steps_inline_fingerprint_is_the_calls_fingerprint(mesh1d: dt.DeviceMesh,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prologue fingerprints a call whose compiled step kept its digest inline (its hot
+    path); a rank whose step has not kept it yet fingerprints through ``_fingerprint``: for the
+    same call at the same number the two must agree, or matching ranks would diverge."""
+    from dtorch_mpi.comm import Group, backend_for
+
+    backend, group = backend_for("cpu"), Group(mesh1d.get_group(0), 0)
+    twin = divergence.twin_of(group.comm)
+    assert twin is not None
+    checks: list[int] = []
+    _count_checks(monkeypatch, checks)
+    send = np.ones((EDGE[0] // SIZE + 1, EDGE[1]))
+    out = np.empty((send.shape[0] * SIZE, EDGE[1]))
+    cell: list[int | None] = [None]
+    for digest in (cell, None, cell):  # fills the cell; the slow path; the inline path
+        checks.clear()
+        seq = twin.seq
+        backend.all_gather(group, send, out, 0, (send.shape[0],) * SIZE, digest=digest)
+        assert cell[0] is not None and checks == [divergence.fingerprint(seq, cell[0], "", "")], (digest, checks)
+    np.testing.assert_array_equal(out, np.ones(out.shape))
+
+
 def test_a_data_wait_polls_only_the_check_its_own_thread_overlaps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The data waits' watch polls the twin whose check overlaps this thread's wait, never one
     another thread's wait is on (a checkpoint save's writer must not take the main thread's

@@ -199,7 +199,7 @@ class Prologued:
         moves = group  # the group the data moves on
         overlap = False
         if facts is not _NO_FACTS and (twin is not None or spmd_debug()):
-            debug = twin is None or spmd_debug()
+            debug = twin is None or spmd_debug()  # (no twin: here only in debug mode)
             default = twin is not None and nbytes >= CHECK_FROM and spmd_check()
             if default or debug:
                 if default and self.overlaps:
@@ -208,7 +208,7 @@ class Prologued:
                     overlap = not (debug or async_op or send is out)
                 if digest is not None and digest[0] is not None and not debug and divergence._context is None:
                     # a compiled step's call outside debug mode and any context (the hot path:
-                    # fingerprint(seq, digest, "", "") without the calls)
+                    # fingerprint(seq, digest, "", "") without the calls; a test holds them equal)
                     assert twin is not None
                     seq = twin.seq
                     fp = hash((seq, digest[0])) >> 1
