@@ -29,7 +29,9 @@ FAMILIES = {
 }
 
 PROBE = "from mpi4py import MPI; import h5py; print(MPI.Get_library_version().splitlines()[0].strip())"
-SIZE = "from mpi4py import MPI; print('world', MPI.COMM_WORLD.Get_size())"
+# one write per rank (a print's text and its newline can be two: the launcher then interleaves
+# the ranks' lines, "world 2world 2"); counted as "world N" wherever it appears
+SIZE = "from mpi4py import MPI; import sys; sys.stdout.write(f'world {MPI.COMM_WORLD.Get_size()}\\n')"
 H5PY_MPI = "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)"
 
 
@@ -85,7 +87,7 @@ def main() -> None:
                              timeout=120, env=env)
     except subprocess.TimeoutExpired:
         fail(f"{args.mpiexec} -n 2 did not finish in 120 s")
-    if run.stdout.split().count("2") != 2 or run.returncode != 0:
+    if re.findall(r"world (\d+)", run.stdout) != ["2", "2"] or run.returncode != 0:
         fail(f"{args.mpiexec} -n 2 did not start one job of 2 ranks with this mpi4py (a launcher of "
              f"another MPI?); it printed:\n{run.stdout}{run.stderr}")
     print(f"check_mpi: {args.mpiexec} -n 2 starts one job of 2 ranks: ok")
