@@ -400,7 +400,7 @@ def test_the_board_is_compiled_where_it_can_be() -> None:
     import sysconfig
 
     headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    if not (headers and shutil.which(sysconfig.get_config_var("CC").split()[0] or "cc")):
+    if not (headers and shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0])):
         pytest.skip("no C compiler or Python headers here: the board runs its Python rules")
     assert divergence.COMPILED, "comm/_board.c was not built: reinstall (pip install -e .) and read its build output"
 
