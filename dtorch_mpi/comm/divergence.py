@@ -346,6 +346,7 @@ class Twin:
         self._groups.clear()
 
     def free(self) -> None:
+        del self.start, self.verdict  # (bound to the board's: it lets go of the window's memory next)
         if self.board is not None:
             self.board.free()
         if self._request is not None:
