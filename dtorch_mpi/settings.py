@@ -89,6 +89,7 @@ def _number(name: str, convert: Callable[[str], N], not_one: str,
 
 COMM_PATHS = ("auto", "padded", "variable")
 PROGRESS_MODES = ("thread", "off")
+ISSUE_MODES = ("thread", "inline")
 CHECK_FORMS = ("auto", "allreduce")
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in (
@@ -140,6 +141,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "The progress thread's base poll interval.",
             _number("DTORCH_PROGRESS_INTERVAL", float, "is not a number of microseconds",
                     lambda us: us <= 0, "must be a positive number of microseconds"), "per call", "comm/progress.py"),
+    Setting("DTORCH_ASYNC_ISSUE", "`thread` \\| `inline`", "thread",
+            "Who checks and starts the collectives `fully_shard` and `replicate` overlap with "
+            "compute (prefetched all-gathers, reduce-scatters, bucket all-reduces of 64 KiB or "
+            "more): a daemon thread, in the order the program made them (where MPI runs at "
+            "`MPI_THREAD_MULTIPLE` and the check's data moves on a communicator of its own: the "
+            "MPI backend on MPICH), so the wait for the other ranks' check and MPI's first copy "
+            "leave the computing thread; or the calling thread (`inline`). An error such a call's "
+            "check finds is raised at the library's wait for it.",
+            _choice("DTORCH_ASYNC_ISSUE", ISSUE_MODES, ": use one of"), "first use", "comm/issuer.py"),
     Setting("DTORCH_GPU_BACKEND", "`auto` or a registered cuda backend (`nccl` \\| `cuda-aware-mpi` "
             "\\| `host-staging`)", "auto",
             "The backend of `cuda` meshes; `auto` takes NCCL where every rank has a GPU of its "

@@ -81,6 +81,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..errors import CollectiveTimeoutError
+from . import issuer
 from .config import check_form
 from .deadline import allgather_bytes, wait_request, wait_until, watch
 from .group import Group
@@ -379,7 +380,9 @@ def attach(comm: MPI.Intracomm) -> None:
 
 
 def detach(comm: MPI.Intracomm) -> None:
-    """Free ``comm``'s twin (collective, where the mesh frees ``comm``)."""
+    """Free ``comm``'s twin (collective, where the mesh frees ``comm``), once the issue thread
+    has started every call handed to it."""
+    issuer.drain()
     twin = _TWINS.pop(id(comm), None)
     if twin is not None:
         twin.free()

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-from . import counter, divergence
+from . import counter, divergence, issuer
 from .config import spmd_check, spmd_debug
 from .divergence import (
     _TWINS,
@@ -128,6 +128,14 @@ _TRAFFIC: dict[str, Callable[..., tuple[int, int]]] = {
 }
 
 
+def _checked_start(group: Group, twin: Twin, fp: int, describe: Described, start: Callable[..., Handle],
+                   args: tuple[Any, ...]) -> Handle:
+    """On the issue thread: the check, then the data, on the twin's data communicator as it is
+    now (a divergence found by an earlier check replaces it)."""
+    compare(group, twin, fp, describe)
+    return start(twin.data_group(group), *args)
+
+
 class Prologued:
     """``inner`` with the prologue around each of its six collectives (see the module doc)."""
 
@@ -202,6 +210,9 @@ class Prologued:
             debug = twin is None or spmd_debug()  # (no twin: here only in debug mode)
             default = twin is not None and nbytes >= CHECK_FROM and spmd_check()
             if default or debug:
+                defer = async_op and default and self.overlaps and not (debug or empty) and issuer.deferring()
+                if issuer._outstanding and not defer:  # (after every call handed to the issue thread)
+                    issuer.drain()
                 if default and self.overlaps:
                     assert twin is not None
                     moves = twin.data_group(group)
@@ -215,6 +226,9 @@ class Prologued:
                     describe = (self._describe, (kind, shape, send, out, facts, seq, "", ""))
                 else:
                     fp, describe = self._fingerprint(group, twin, kind, shape, send, out, facts, debug, digest)
+                if defer:
+                    assert twin is not None
+                    return self._defer(group, twin, kind, send, out, facts, fp, describe, start, args)
                 if not overlap:
                     compare(group, twin, fp, describe)
         if empty:
@@ -233,6 +247,18 @@ class Prologued:
             handle = counter.on_started(handle, async_op)
         if not async_op:
             handle.wait()  # bounded by the collective deadline
+        return handle
+
+    def _defer(self, group: Group, twin: Twin, kind: str, send: Any, out: Any, facts: dict[str, Any], fp: int,
+               describe: Described, start: Callable[..., Handle], args: tuple[Any, ...]) -> Handle:
+        """Steps 3-6 of a nonblocking checked call handed to the issue thread (comm/issuer.py):
+        numbered, fingerprinted and counted here, in program order; checked and started there."""
+        twin.seq += 1
+        if counter._active:
+            self._record(kind, group, send, out, facts, True, args)
+        handle: Handle = issuer.submit(_checked_start, group, twin, fp, describe, start, args)
+        if counter.on_started is not None:
+            handle = counter.on_started(handle, True)
         return handle
 
     def all_gather(self, group: Group, send: Any, out: Any, axis: int, sizes: Sequence[int],

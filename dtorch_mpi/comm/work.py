@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
+from threading import current_thread, main_thread
 from typing import Any
 
 from mpi4py import MPI
 
-from . import progress
+from . import issuer, progress
 from .deadline import wait_request
 
 
@@ -43,10 +44,12 @@ def in_flight() -> int:
 
 
 def reap() -> None:
-    """Release the buffers of every in-flight request that has completed (never blocks)."""
-    if not _IN_FLIGHT:
+    """Release the buffers of every in-flight request that has completed (never blocks). Only
+    on the main thread: the issue thread (comm/issuer.py) adds requests meanwhile, and it must
+    not test a request the main thread may be waiting on."""
+    if not _IN_FLIGHT or current_thread() is not main_thread():
         return
-    for entry in [e for e in _IN_FLIGHT if e.request.Test()]:
+    for entry in [e for e in list(_IN_FLIGHT) if e.request.Test()]:
         _IN_FLIGHT.discard(entry)
 
 
@@ -77,6 +80,7 @@ def wait_all() -> None:
     ``MPI.Finalize()`` itself calls this first: MPI forbids another thread's MPI calls while
     ``MPI_Finalize`` runs (MPICH stops locking as it starts, so a poll caught there corrupts
     its state)."""
+    issuer.stop()
     progress.stop()
     drain()
 

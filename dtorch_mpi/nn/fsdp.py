@@ -55,6 +55,7 @@ import numpy as np
 from ..autograd.accumulate import accumulate
 from ..autograd.graph import BackwardJoin, current_backward, register_hook, register_post_accumulate_grad_hook
 from ..comm import backend_for
+from ..comm.issuer import deferred
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError
 from ..grad_mode import is_grad_enabled, no_grad
@@ -293,7 +294,8 @@ class _Unit:
             self.gather()
             after = group.neighbour(self, 1)
             if after is not None:
-                after.start_gather()  # forward prefetch
+                with deferred():  # checked and started beside this unit's compute (comm/issuer.py)
+                    after.start_gather()  # forward prefetch
             self.expose(True)
             try:
                 out = inner(*args, **kwargs)
@@ -337,7 +339,8 @@ class _Unit:
             return None
         before = self.group.neighbour(self, -1)
         if before is not None:
-            before.start_gather()  # backward prefetch: the unit whose backward runs next
+            with deferred():
+                before.start_gather()  # backward prefetch: the unit whose backward runs next
         return None
 
     def grad_complete(self, slot: _Slot) -> None:
@@ -365,7 +368,7 @@ class _Unit:
             s.gathered.grad = None
             lay = s.layout
             terms = DTensor(g.to_local(), DTensorSpec(lay.store_mesh, lay.to_store(g.placements), g.shape, g.dtype))
-            with no_grad():
+            with no_grad(), deferred():
                 group.reducing.append((s, terms.redistribute(placements=s.sharded.placements, async_op=True)))
         self.reduced = True
 

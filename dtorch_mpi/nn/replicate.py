@@ -46,6 +46,7 @@ from typing import Any
 
 from ..autograd.graph import BackwardJoin, register_post_accumulate_grad_hook
 from ..comm import Group, backend_for, pool, progress
+from ..comm.issuer import deferred
 from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..mesh import DeviceMesh
@@ -156,7 +157,8 @@ class _Replicated:
                 flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
                 xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
             on: Group = items[0][1].group
-            work = backend.all_reduce(on, flat, flat, op, async_op=True)
+            with deferred():  # checked and started beside backward's compute (comm/issuer.py)
+                work = backend.all_reduce(on, flat, flat, op, async_op=True)
             bucket.flights.append((items, work, flat))
 
     # --- backward finished ----------------------------------------------------------------

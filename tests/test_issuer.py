@@ -1,0 +1,154 @@
+"""The issue thread (comm/issuer.py): the library's overlapped collectives checked and started
+off the computing thread give the same calls, results and divergence errors as inline.
+
+Handed over are nonblocking calls of 64 KiB or more made inside ``issuer.deferred()`` where the
+divergence check's data moves on a communicator of its own (``Prologued.overlaps``: MPICH) and
+MPI runs at ``MPI_THREAD_MULTIPLE``; elsewhere every call stays inline and the tests check that
+nothing was handed over."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import RANK, SIZE
+from mpi4py import MPI
+
+import dtorch_mpi as dt
+from dtorch_mpi import nn, settings
+from dtorch_mpi.comm import divergence, issuer
+from dtorch_mpi.comm.divergence import CHECK_FROM
+from dtorch_mpi.nn import functional as F
+
+R, S0 = dt.Replicate(), dt.Shard(0)
+DEFERS = (dt.comm.backend_named("mpi").overlaps and MPI.Query_thread() == MPI.THREAD_MULTIPLE
+          and issuer.issue_mode() == "thread")
+ranks = pytest.mark.skipif(SIZE == 1, reason="nothing is communicated at one rank")
+ROWS = 2 * SIZE + 1  # uneven rows
+COLS = CHECK_FROM // 8  # one row is 64 KiB of float64: every call below is checked
+
+
+@pytest.fixture(params=["thread", "inline"])
+def mode(request: pytest.FixtureRequest) -> Iterator[str]:
+    before = issuer.issue_mode()
+    issuer.set_issue_mode(request.param)
+    yield request.param
+    issuer.set_issue_mode(before)
+
+
+@pytest.fixture(params=["board", "allreduce"])
+def mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
+    """Both forms of the check the thread runs (DTORCH_SPMD_CHECK_FORM)."""
+    from dtorch_mpi.comm import config
+
+    before = config.check_form()
+    config.set_check_form("auto" if request.param == "board" else "allreduce")
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    yield mesh
+    mesh.free()
+    config.set_check_form(before)
+
+
+def _handed(before: int, calls: int, mode: str) -> None:
+    """``calls`` calls were handed to the thread since ``before`` exactly where they may be."""
+    expected = calls if (DEFERS and mode == "thread") else 0
+    assert issuer.issued - before == expected, (issuer.issued - before, expected)
+
+
+@ranks
+def test_deferred_calls_and_blocking_ones_keep_one_order(mesh: dt.DeviceMesh, mode: str) -> None:
+    """Deferred gathers and reductions, a blocking gather between them (it waits until the thread
+    has started every call handed over) and small unchecked calls: every result is NumPy's."""
+    rng = np.random.default_rng(7)
+    full = [rng.standard_normal((ROWS, COLS)) for _ in range(4)]
+    xs = [dt.distribute_tensor(f, mesh, [S0]) for f in full]
+    small = dt.distribute_tensor(np.arange(3.0 * SIZE), mesh, [S0])
+    partial = dt.DTensor.from_local(full[3] * (RANK + 1), mesh, [dt.Partial("sum")])
+    twin = divergence.twin_of(mesh.get_group(0))
+    assert twin is not None
+    before, numbered = issuer.issued, twin.seq
+    with issuer.deferred():
+        pending = [xs[0].redistribute(placements=[R], async_op=True),
+                   xs[1].redistribute(placements=[R], async_op=True)]
+        tiny = small.redistribute(placements=[R], async_op=True)  # below the check: inline
+    blocking = xs[2].redistribute(placements=[R])
+    with issuer.deferred():
+        pending.append(partial.redistribute(placements=[S0], async_op=True))  # a reduce-scatter
+    _handed(before, 3, mode)
+    assert twin.seq == numbered + 5  # every call numbered in program order, handed over or not
+    np.testing.assert_array_equal(blocking.to_local(), full[2])
+    np.testing.assert_array_equal(tiny.to_local(), np.arange(3.0 * SIZE))
+    np.testing.assert_array_equal(pending[0].to_local(), full[0])
+    np.testing.assert_array_equal(pending[1].to_local(), full[1])
+    total = full[3] * (SIZE * (SIZE + 1) // 2)
+    np.testing.assert_allclose(pending[2].full_tensor(), total, rtol=1e-15)
+
+
+@ranks
+def test_a_divergent_deferred_call_raises_at_its_wait_on_every_rank(mesh: dt.DeviceMesh, mode: str) -> None:
+    """Rank 0 gathers one shape, the others another: the check the thread runs finds it, and
+    every rank raises SPMDDivergenceError when it waits (inline: at the call). The mesh works on."""
+    x = dt.distribute_tensor(np.ones((ROWS, COLS)), mesh, [S0])
+    y = dt.distribute_tensor(np.ones((ROWS + 1, COLS)), mesh, [S0])
+    before = issuer.issued
+    with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+        with issuer.deferred():
+            pending = (x if RANK == 0 else y).redistribute(placements=[R], async_op=True)
+        _handed(before, 1, mode)
+        pending.to_local()
+    assert str((ROWS, COLS)) in str(err.value) and str((ROWS + 1, COLS)) in str(err.value)
+    assert not any(twin.overlapping for twin in divergence._TWINS.values())
+    with issuer.deferred():
+        again = x.redistribute(placements=[R], async_op=True)
+    np.testing.assert_array_equal(again.to_local(), np.ones((ROWS, COLS)))
+
+
+@ranks
+def test_fully_shard_and_replicate_train_bitwise_alike_on_the_thread_and_inline(mesh: dt.DeviceMesh) -> None:
+    """Three steps of each plan with every call inline and with the thread: the same loss and
+    parameters to the bit, and the thread did take the overlapped calls."""
+    def train(plan: str, how: str) -> tuple[list[float], list[np.ndarray]]:
+        before_mode = issuer.issue_mode()
+        issuer.set_issue_mode(how)
+        try:
+            dt.manual_seed(3)
+            model = nn.Sequential(*[nn.Linear(96, 96, device_mesh=mesh, dtype=np.float64) for _ in range(3)])
+            if plan == "fsdp":
+                for layer in model:
+                    dt.fully_shard(layer, mesh=mesh)
+                dt.fully_shard(model, mesh=mesh)
+            else:
+                dt.replicate(model, mesh=mesh, bucket_bytes=96 * 96 * 8)
+            opt = dt.optim.SGD(model.parameters(), lr=0.1)
+            x = dt.distribute_tensor(np.random.default_rng(4).standard_normal((4 * SIZE, 96)), mesh, [S0])
+            losses = []
+            before = issuer.issued
+            for _ in range(3):
+                opt.zero_grad()
+                loss = F.mse_loss(model(x), x)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.full_tensor()))
+            handed = issuer.issued - before
+            if how == "thread" and DEFERS:
+                assert handed >= 3 * len(model), handed  # the prefetches and reductions of every step
+            else:
+                assert handed == 0, handed
+            return losses, [p.full_tensor() for p in model.parameters()]
+        finally:
+            issuer.set_issue_mode(before_mode)
+
+    for plan in ("fsdp", "replicate"):
+        inline, threaded = train(plan, "inline"), train(plan, "thread")
+        assert inline[0] == threaded[0], (plan, inline[0], threaded[0])
+        for a, b in zip(inline[1], threaded[1]):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_the_issue_mode_is_checked() -> None:
+    with pytest.raises(ValueError, match="issue mode 'sideways': use one of thread, inline"):
+        issuer.set_issue_mode("sideways")
+    assert settings.parse("DTORCH_ASYNC_ISSUE", "inline") == "inline"
+    with pytest.raises(ValueError, match="DTORCH_ASYNC_ISSUE='x': use one of thread, inline"):
+        settings.parse("DTORCH_ASYNC_ISSUE", "x")
