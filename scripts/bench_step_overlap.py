@@ -16,7 +16,9 @@ shared-memory copies need too). Cases, interleaved repeat by repeat, medians of 
               during backward)
 
 and the communication alone: ``comm(dp)`` = blocking - compute; ``comm(fsdp)`` = the fsdp step
-with no injected work - the compute step with no injected work. Exposed = step - compute;
+with no injected work and every collective started inline (``DTORCH_ASYNC_ISSUE=inline``: its
+blocking-like form, fixed whatever the mode under test) - the compute step with no injected
+work. Exposed = step - compute;
 ``exp/comm`` = exposed / comm (the goal: <= 0.25 off-core); ``step/max`` = step / max(compute,
 comm) (goal <= 1.1). BLAS runs one thread per rank (set before NumPy loads). ``--trace PATH`` writes a timeline (dtorch_mpi/timeline.py) of one step
 of each of replicate and fsdp (``PATH`` -> ``PATH-replicate.rank<r>.json`` ...).
@@ -39,6 +41,7 @@ from mpi4py import MPI
 
 import dtorch_mpi as dt
 from dtorch_mpi import nn
+from dtorch_mpi.comm import issuer
 from dtorch_mpi.nn import functional as F
 
 WORLD = MPI.COMM_WORLD
@@ -98,6 +101,18 @@ def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Cal
     return step
 
 
+def issued_inline(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with every collective started on the calling thread (comm/issuer.py)."""
+    def run() -> object:
+        mode = issuer.issue_mode()
+        issuer.set_issue_mode("inline")
+        try:
+            return fn()
+        finally:
+            issuer.set_issue_mode(mode)
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -113,6 +128,7 @@ def main() -> None:
     bucket = int(args.bucket_mb * (1 << 20))
     if WORLD.rank == 0:
         print(f"{WORLD.size} ranks, {os.cpu_count()} cores, load before {os.getloadavg()[0]:.2f}; "
+              f"collectives issued {issuer.issue_mode()}; "
               f"{args.layers} layers of {width}x{width} float64 ({width * width * 8 / 2**20:.2f} MB), "
               f"{args.work_ms} ms compute per layer per direction, bucket {args.bucket_mb} MB, {args.reps} reps")
         print(f"{'kind':>8} {'plan':>9} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
@@ -122,7 +138,8 @@ def main() -> None:
         work = (offcore_work if kind == "offcore" else step_numpy_work)(args.work_ms / 1e3)
         steps = {p: make_step(p, mesh, args.layers, width, work, bucket)
                  for p in ("compute", "blocking", "replicate", "fsdp")}
-        cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"], "bare fsdp": bare["fsdp"]}
+        cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"],
+                                                  "bare fsdp": issued_inline(bare["fsdp"])}
         for fn in cases.values():
             fn()  # a first warm-up (replicate fixes its bucket order on it); timed_interleaved runs the second
         med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD).items()}
