@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from conftest import RANK, SIZE
+from conftest import RANK, SIZE, Checker
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -144,6 +144,64 @@ def test_fully_shard_and_replicate_train_bitwise_alike_on_the_thread_and_inline(
         assert inline[0] == threaded[0], (plan, inline[0], threaded[0])
         for a, b in zip(inline[1], threaded[1]):
             np.testing.assert_array_equal(a, b)
+
+
+@ranks
+def test_every_rank_makes_the_same_mpi_calls_on_the_thread_and_inline(mode: str, check: Checker,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MPI-call trace (tests/test_mpi_trace.py) of two steps of fully_shard and replicate,
+    on the mesh's communicator and on the divergence check's data communicator, where the
+    checked calls the thread starts move: the same calls, in the same order, with matching
+    counts on every rank, whichever thread made them."""
+    from test_mpi_trace import TracingComm, _compare_groups, _mismatch, tracing
+
+    data_comms: list[TracingComm] = []
+    make_data_comm = divergence._data_comm
+
+    def traced_data_comm(comm: MPI.Intracomm) -> MPI.Intracomm:
+        data_comms.append(TracingComm(make_data_comm(comm)))
+        return data_comms[-1]  # type: ignore[return-value]
+
+    monkeypatch.setattr(divergence, "_data_comm", traced_data_comm)
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    try:
+        with tracing(mesh):
+            for plan in ("fsdp", "replicate"):
+                dt.manual_seed(5)
+                model = nn.Sequential(*[nn.Linear(96, 96, device_mesh=mesh, dtype=np.float64) for _ in range(3)])
+                if plan == "fsdp":
+                    for layer in model:
+                        dt.fully_shard(layer, mesh=mesh)
+                    dt.fully_shard(model, mesh=mesh)
+                else:
+                    dt.replicate(model, mesh=mesh, bucket_bytes=96 * 96 * 8)
+                x = dt.distribute_tensor(np.random.default_rng(6).standard_normal((4 * SIZE, 96)), mesh, [S0])
+                before = issuer.issued
+                for step in range(2):
+                    F.mse_loss(model(x), x).backward()
+                    _compare_groups(mesh, f"{plan} step {step} ({mode})", check)
+                handed = issuer.issued - before
+                if DEFERS and mode == "thread":
+                    check.true(handed >= 2 * len(model), f"{plan}: the thread took only {handed} calls")
+                else:
+                    check.true(handed == 0, f"{plan}: {handed} calls handed over ({mode})")
+            check.true(bool(data_comms), "the mesh made no data communicator")
+            mine = [[c for c in d.calls if c[0] != "Dup"] for d in data_comms]
+            for d in data_comms:
+                d.calls.clear()
+            everyone = MPI.COMM_WORLD.allgather(mine)
+            check.true(len({len(t) for t in everyone}) == 1, f"data communicators {[len(t) for t in everyone]}")
+            moved = sum(len(t) for t in mine)
+            check.true(moved > 0 or not dt.comm.backend_named("mpi").overlaps,
+                       "no checked call moved on a data communicator")
+            for k, traces in enumerate(zip(*everyone)):
+                check.true(len({len(t) for t in traces}) == 1, f"data communicator {k}: call counts {[len(t) for t in traces]}")
+                for n, calls in enumerate(zip(*traces)):
+                    why = _mismatch(calls[0][0], list(calls))
+                    check.true(why is None, f"data communicator {k} call {n} ({calls[0][0]}): {why}")
+    finally:
+        mesh.free()
+    check.done()
 
 
 def test_the_issue_mode_is_checked() -> None:

@@ -10,6 +10,7 @@ receives from i). scripts/run_tests.py runs this on every comm path.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from helpers import local_of as local_piece
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import Group
+from dtorch_mpi.comm import Group, divergence
 from dtorch_mpi.split import split_sizes
 
 Call = tuple[str, tuple[Any, ...], Any]  # (method, bytes per buffer argument, root or counts)
@@ -103,12 +104,31 @@ def _mismatch(method: str, calls: list[Call]) -> str | None:
     return None if len({repr(c[1]) for c in calls}) == 1 else f"different counts {[c[1] for c in calls]}"
 
 
+@contextlib.contextmanager
+def tracing(mesh: dt.DeviceMesh) -> Iterator[list[TracingComm]]:
+    """Every mesh-dim communicator of ``mesh`` behind a :class:`TracingComm` while inside. The
+    divergence check's twin of each (made with the mesh) follows it to its wrapper, so the calls
+    the check covers stay checked and move on the twin's data communicator as they would."""
+    raw = list(mesh._groups)
+    wrapped = [TracingComm(g) for g in raw]
+    mesh._groups = wrapped  # type: ignore[assignment]
+    for r, w in zip(raw, wrapped):
+        if id(r) in divergence._TWINS:
+            divergence._TWINS[id(w)] = divergence._TWINS.pop(id(r))
+    try:
+        yield wrapped
+    finally:
+        for r, w in zip(raw, wrapped):
+            if id(w) in divergence._TWINS:
+                divergence._TWINS[id(r)] = divergence._TWINS.pop(id(w))
+        mesh._groups = raw
+
+
 @pytest.fixture
 def traced_mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
     mesh = dt.init_device_mesh("cpu", request.param)
-    mesh._groups = [TracingComm(g) for g in mesh._groups]  # type: ignore[misc]
-    yield mesh
-    mesh._groups = [g._comm for g in mesh._groups]  # type: ignore[attr-defined]
+    with tracing(mesh):
+        yield mesh
     mesh.free()
 
 

@@ -230,23 +230,22 @@ def test_every_rank_makes_the_same_mpi_calls(check: Checker) -> None:
     steps with several buckets make the same calls, in the same order, with matching counts on
     every rank. NumPy only: on a device the all-reduces are NCCL's (or staged) calls, not the
     mesh communicators' (the emulated NCCL compares every collective's call across ranks itself)."""
-    from test_mpi_trace import TracingComm, _compare_groups
+    from test_mpi_trace import _compare_groups, tracing
 
     mesh = dt.init_device_mesh("cpu", (SIZE,))
-    mesh._groups = [TracingComm(g) for g in mesh._groups]  # type: ignore[misc]
     try:
-        dt.manual_seed(0)
-        model = dt.replicate(Tower(SIZE + 1, mesh), mesh=mesh, bucket_bytes=200)
-        calls = 0
-        for step in range(2):
-            x, y = _data(mesh, seed=step)
-            F.mse_loss(model(x), y).backward()
-            calls += sum(len(g.calls) for g in mesh._groups)  # type: ignore[attr-defined]
-            _compare_groups(mesh, f"replicate step {step}", check)
-        check.true(SIZE == 1 or calls >= 2 * len(model.__dict__["_replicate_state"].layout()),
-                   f"the tracing layer saw {calls} calls")
+        with tracing(mesh):
+            dt.manual_seed(0)
+            model = dt.replicate(Tower(SIZE + 1, mesh), mesh=mesh, bucket_bytes=200)
+            calls = 0
+            for step in range(2):
+                x, y = _data(mesh, seed=step)
+                F.mse_loss(model(x), y).backward()
+                calls += sum(len(g.calls) for g in mesh._groups)  # type: ignore[attr-defined]
+                _compare_groups(mesh, f"replicate step {step}", check)
+            check.true(SIZE == 1 or calls >= 2 * len(model.__dict__["_replicate_state"].layout()),
+                       f"the tracing layer saw {calls} calls")
     finally:
-        mesh._groups = [g._comm for g in mesh._groups]  # type: ignore[attr-defined]
         mesh.free()
     check.done()
 
