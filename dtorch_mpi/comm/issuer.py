@@ -80,6 +80,8 @@ class Issued:
         self._started.wait()  # bounded: the check is under the collective deadline, the start is nonblocking
         if self._error is not None:
             raise self._error
+        while _outstanding and not self._handle.done():
+            _yield_to_thread()
         return self._handle.wait()
 
 
@@ -90,6 +92,19 @@ _thread: threading.Thread | None = None
 _deferring = 0  # depth of deferred() on the main thread
 issued = 0
 """Calls handed to the thread so far in this process (tests and benchmarks read it)."""
+
+
+def _yield_to_thread() -> None:
+    """Let the thread run while it has calls to start: sleep on its condition (which drops the
+    GIL) until it has started them all, at most ``_YIELD`` seconds. A wait that polled instead
+    would hold the GIL between polls, and the thread (woken for the GIL only to find it taken
+    again) could wait whole milliseconds for it."""
+    with _lock:
+        if _outstanding:
+            _lock.wait(_YIELD)
+
+
+_YIELD = 1e-4
 
 
 def _run() -> None:
