@@ -20,6 +20,12 @@ Around every collective, in this order (one definition, the same for every backe
 5. ``counter.record`` once, with the payload bytes of the kind (padding excluded).
 6. The backend's method; a blocking call (``async_op=False``) is waited here, so the wait is
    bounded by the collective deadline (``Handle.wait``: ``DTORCH_COLLECTIVE_TIMEOUT``).
+
+A nonblocking call the default check covers, made inside ``issuer.deferred()`` (fully_shard's
+and replicate's overlap paths) with a backend that ``overlaps_check``, is numbered,
+fingerprinted and counted here in program order, and its check and step 6 run on the issue
+thread (comm/issuer.py); every other call first waits until that thread has started everything
+handed to it, so the calls on each communicator keep one order on every rank.
 """
 
 from __future__ import annotations
