@@ -307,6 +307,7 @@ def test_divergences_without_a_meeting_check_end_at_the_deadline(check_form: str
         assert f"rank {rank} raised CollectiveTimeoutError" in out, out
         assert f"rank {rank} raised SPMDDivergenceError:" in out, out
         assert f"rank {rank} raised SPMDDivergenceError after a small call elsewhere" in out, out
+        assert f"rank {rank} raised CollectiveTimeoutError at its wait, naming its line" in out, out
 
 
 @launches_its_own_job

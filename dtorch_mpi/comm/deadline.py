@@ -26,8 +26,9 @@ by raising (the check found the calls differ: the data may never complete).
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
-import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -47,13 +48,30 @@ def set_collective_timeout(seconds: float) -> None:
     settings.put("DTORCH_COLLECTIVE_TIMEOUT", float(seconds))
 
 
+_LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_acting = threading.local()
+
+
 def call_site() -> str:
-    """The innermost frame outside dtorch_mpi: where the user started the collective."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for frame in reversed(traceback.extract_stack()[:-1]):
-        if not os.path.abspath(frame.filename).startswith(here):
-            return f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return "unknown"
+    """The innermost frame outside dtorch_mpi: where the user started the collective (on a
+    thread acting for the caller, the caller's: :func:`acting_for`)."""
+    given: str | None = getattr(_acting, "site", None)
+    if given is not None:
+        return given
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
+        frame = frame.f_back  # type: ignore[assignment]
+    if frame is None:
+        return "unknown"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def acting_for(site: str | None) -> None:
+    """This thread now waits on behalf of a call made at ``site`` (``call_site()`` of the
+    thread that made it; None: on its own behalf again). The issue thread (comm/issuer.py) sets
+    it around each call it checks and starts, so a timeout names the user's line, not the
+    thread's."""
+    _acting.site = site
 
 
 _POLLS_PER_CHECK = 16  # polls between clock reads (a Test with nothing to do costs ~1 µs)

@@ -39,6 +39,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import settings
+from . import deadline
 
 MODES = settings.ISSUE_MODES
 
@@ -86,7 +87,7 @@ class Issued:
 
 
 _lock = threading.Condition()
-_queue: deque[tuple[Issued, Callable[..., Any], tuple[Any, ...]]] = deque()
+_queue: deque[tuple[Issued, Callable[..., Any], tuple[Any, ...], str | None]] = deque()
 _outstanding = 0  # calls handed over and not yet started (read without the lock: one int)
 _thread: threading.Thread | None = None
 _deferring = 0  # depth of deferred() on the main thread
@@ -113,13 +114,16 @@ def _run() -> None:
         with _lock:
             while not _queue:
                 _lock.wait()
-            handle, issue, args = _queue.popleft()
+            handle, issue, args, site = _queue.popleft()
         if issue is _stop_marker:
             return
+        deadline.acting_for(site)
         try:
             handle._handle = issue(*args)
         except BaseException as exc:  # (raised by the handle's wait, on the caller's thread)
             handle._error = exc
+        finally:
+            deadline.acting_for(None)
         handle._started.set()
         with _lock:
             _outstanding -= 1
@@ -135,13 +139,14 @@ def submit(issue: Callable[..., Any], *args: Any) -> Issued:
     """Hand ``issue(*args)`` (a check and a start, returning the call's handle) to the thread."""
     global _outstanding, _thread, issued
     handle = Issued()
+    site = deadline.call_site()  # (a few frames up: named by a timeout the thread raises)
     with _lock:
         if _thread is None:
             _thread = threading.Thread(target=_run, name="dtorch-mpi-issue", daemon=True)
             _thread.start()
         _outstanding += 1
         issued += 1
-        _queue.append((handle, issue, args))
+        _queue.append((handle, issue, args, site))
         _lock.notify_all()
     return handle
 
@@ -180,7 +185,7 @@ def stop() -> None:
     drain()
     with _lock:
         _outstanding += 1
-        _queue.append((Issued(), _stop_marker, ()))
+        _queue.append((Issued(), _stop_marker, (), None))
         _lock.notify_all()
     thread.join()
     with _lock:

@@ -50,3 +50,20 @@ def test_a_large_call_meeting_a_small_async_one_and_a_large_one_raises() -> None
     with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
         big.redistribute(placements=[dt.Replicate()])
     print(f"rank {RANK} raised SPMDDivergenceError after a small call elsewhere: {str(err.value)[:60]}")
+
+
+def test_a_call_the_issue_thread_checks_times_out_naming_the_callers_line() -> None:
+    """Rank 0 hands a large gather to the issue thread (comm/issuer.py; inline where there is
+    none), the others make a small one: rank 0's check meets no check and times out on the
+    thread, and the error, raised at rank 0's wait, names this file's line, not the thread's."""
+    from dtorch_mpi.comm import issuer
+
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    big = dt.distribute_tensor(np.ones((2 * SIZE + 1, 4096)), mesh, [dt.Shard(0)])
+    small = dt.distribute_tensor(np.ones((2 * SIZE + 1, 3)), mesh, [dt.Shard(0)])
+    with pytest.raises(dt.CollectiveTimeoutError) as err:
+        with issuer.deferred():
+            pending = (big if RANK == 0 else small).redistribute(placements=[dt.Replicate()], async_op=True)
+        pending.to_local()
+    named = f"{__file__}:" in str(err.value)
+    print(f"rank {RANK} raised CollectiveTimeoutError at its wait, naming {'its line' if named else err.value}")
