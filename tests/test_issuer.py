@@ -104,6 +104,20 @@ def test_a_divergent_deferred_call_raises_at_its_wait_on_every_rank(mesh: dt.Dev
     np.testing.assert_array_equal(again.to_local(), np.ones((ROWS, COLS)))
 
 
+def _model(plan: str, mesh: dt.DeviceMesh, seed: int) -> nn.Module:
+    """Three Linear(96, 96) float64 layers (72 KiB each: every call checked) under ``plan``:
+    fully_shard per layer and on the root, or replicate with one bucket per layer."""
+    dt.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(96, 96, device_mesh=mesh, dtype=np.float64) for _ in range(3)])
+    if plan == "fsdp":
+        for layer in model:
+            dt.fully_shard(layer, mesh=mesh)
+        dt.fully_shard(model, mesh=mesh)
+    else:
+        dt.replicate(model, mesh=mesh, bucket_bytes=96 * 96 * 8)
+    return model
+
+
 @ranks
 def test_fully_shard_and_replicate_train_bitwise_alike_on_the_thread_and_inline(mesh: dt.DeviceMesh) -> None:
     """Three steps of each plan with every call inline and with the thread: the same loss and
@@ -112,14 +126,7 @@ def test_fully_shard_and_replicate_train_bitwise_alike_on_the_thread_and_inline(
         before_mode = issuer.issue_mode()
         issuer.set_issue_mode(how)
         try:
-            dt.manual_seed(3)
-            model = nn.Sequential(*[nn.Linear(96, 96, device_mesh=mesh, dtype=np.float64) for _ in range(3)])
-            if plan == "fsdp":
-                for layer in model:
-                    dt.fully_shard(layer, mesh=mesh)
-                dt.fully_shard(model, mesh=mesh)
-            else:
-                dt.replicate(model, mesh=mesh, bucket_bytes=96 * 96 * 8)
+            model = _model(plan, mesh, seed=3)
             opt = dt.optim.SGD(model.parameters(), lr=0.1)
             x = dt.distribute_tensor(np.random.default_rng(4).standard_normal((4 * SIZE, 96)), mesh, [S0])
             losses = []
@@ -167,14 +174,7 @@ def test_every_rank_makes_the_same_mpi_calls_on_the_thread_and_inline(mode: str,
     try:
         with tracing(mesh):
             for plan in ("fsdp", "replicate"):
-                dt.manual_seed(5)
-                model = nn.Sequential(*[nn.Linear(96, 96, device_mesh=mesh, dtype=np.float64) for _ in range(3)])
-                if plan == "fsdp":
-                    for layer in model:
-                        dt.fully_shard(layer, mesh=mesh)
-                    dt.fully_shard(model, mesh=mesh)
-                else:
-                    dt.replicate(model, mesh=mesh, bucket_bytes=96 * 96 * 8)
+                model = _model(plan, mesh, seed=5)
                 x = dt.distribute_tensor(np.random.default_rng(6).standard_normal((4 * SIZE, 96)), mesh, [S0])
                 before = issuer.issued
                 for step in range(2):

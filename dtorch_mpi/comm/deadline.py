@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 
 import numpy as np
 from mpi4py import MPI
@@ -52,15 +53,21 @@ _LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _acting = threading.local()
 
 
+def user_frame() -> FrameType | None:
+    """The innermost frame of this thread outside dtorch_mpi (None: there is none)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
+        frame = frame.f_back
+    return frame
+
+
 def call_site() -> str:
     """The innermost frame outside dtorch_mpi: where the user started the collective (on a
     thread acting for the caller, the caller's: :func:`acting_for`)."""
     given: str | None = getattr(_acting, "site", None)
     if given is not None:
         return given
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
-        frame = frame.f_back  # type: ignore[assignment]
+    frame = user_frame()
     if frame is None:
         return "unknown"
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"

@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from threading import get_ident
@@ -83,7 +82,7 @@ from mpi4py import MPI
 from ..errors import CollectiveTimeoutError
 from . import issuer
 from .config import check_form
-from .deadline import allgather_bytes, wait_request, wait_until, watch
+from .deadline import allgather_bytes, user_frame, wait_request, wait_until, watch
 from .group import Group
 from .work import _ABANDONED, _InFlight
 
@@ -425,16 +424,11 @@ def current_context() -> str:
     return "" if _context is None else f" [{_context()}]"
 
 
-_LIBRARY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def user_site() -> str:
     """The innermost frame outside dtorch_mpi as ``file:line`` (the file's name only: the same
     program may sit in different directories on different nodes). Debug mode compares it too,
     so a rank skipping a call before an identical one is caught."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY):
-        frame = frame.f_back  # type: ignore[assignment]
+    frame = user_frame()
     if frame is None:
         return "unknown"
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
