@@ -13,7 +13,9 @@ shared-memory copies need too). Cases, interleaved repeat by repeat, medians of 
   blocking    compute, then ``reduce_gradients`` (the packed blocking form)
   replicate   ``dtorch.replicate(bucket_bytes=--bucket-mb)``: all-reduces during backward
   fsdp        ``fully_shard`` per layer and on the root (prefetched all-gathers, reduce-scatters
-              during backward)
+              during backward); the last layer with ``reshard_after_forward=False``, as
+              torchtitan shards FSDP2 models: its backward runs next, so a reshard would only
+              make that backward wait for a fresh all-gather
 
 and the communication alone: ``comm(dp)`` = blocking - compute; ``comm(fsdp)`` = the fsdp step
 with no injected work and every collective started inline (``DTORCH_ASYNC_ISSUE=inline``: its
@@ -83,9 +85,9 @@ def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Cal
     if plan == "replicate":
         dt.replicate(model, mesh=mesh, bucket_bytes=bucket)
     elif plan == "fsdp":
-        for layer in model.layers:
-            dt.fully_shard(layer, mesh=mesh)
-        dt.fully_shard(model, mesh=mesh)
+        for i, layer in enumerate(model.layers):  # the last layer stays gathered after forward: its
+            dt.fully_shard(layer, mesh=mesh, reshard_after_forward=i < layers - 1)  # backward is next
+        dt.fully_shard(model, mesh=mesh)  # (torchtitan's recipe for FSDP2)
     params = list(model.parameters())
     x = dt.distribute_tensor(np.random.default_rng(2).standard_normal((4 * WORLD.size, width)), mesh, [S0])
 
