@@ -3,7 +3,8 @@ off the computing thread give the same calls, results and divergence errors as i
 
 Handed over are nonblocking calls of 64 KiB or more made inside ``issuer.deferred()`` where the
 divergence check's data moves on a communicator of its own (``Prologued.overlaps``: MPICH) and
-MPI runs at ``MPI_THREAD_MULTIPLE``; elsewhere every call stays inline and the tests check that
+MPI runs at ``MPI_THREAD_MULTIPLE``, outside SPMD debug mode (which checks every call before it starts);
+elsewhere every call stays inline and the tests check that
 nothing was handed over."""
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from mpi4py import MPI
 import dtorch_mpi as dt
 from dtorch_mpi import nn, settings
 from dtorch_mpi.comm import divergence, issuer
+from dtorch_mpi.comm.config import spmd_debug
 from dtorch_mpi.comm.divergence import CHECK_FROM
 from dtorch_mpi.nn import functional as F
 
 R, S0 = dt.Replicate(), dt.Shard(0)
 DEFERS = (dt.comm.backend_named("mpi").overlaps and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-          and issuer.issue_mode() == "thread")
+          and issuer.issue_mode() == "thread" and not spmd_debug())  # (debug mode checks every call inline)
 ranks = pytest.mark.skipif(SIZE == 1, reason="nothing is communicated at one rank")
 ROWS = 2 * SIZE + 1  # uneven rows
 COLS = CHECK_FROM // 8  # one row is 64 KiB of float64: every call below is checked
