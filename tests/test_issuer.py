@@ -3,9 +3,8 @@ off the computing thread give the same calls, results and divergence errors as i
 
 Handed over are nonblocking calls of 64 KiB or more made inside ``issuer.deferred()`` where the
 divergence check's data moves on a communicator of its own (``Prologued.overlaps``: MPICH) and
-MPI runs at ``MPI_THREAD_MULTIPLE``, outside SPMD debug mode (which checks every call before it starts);
-elsewhere every call stays inline and the tests check that
-nothing was handed over."""
+MPI runs at ``MPI_THREAD_MULTIPLE``, outside SPMD debug mode (which checks every call before it
+starts); elsewhere every call stays inline and the tests check that nothing was handed over."""
 
 from __future__ import annotations
 
