@@ -24,7 +24,7 @@ from dtorch_mpi.nn import functional as F
 
 R, S0 = dt.Replicate(), dt.Shard(0)
 DEFERS = (dt.comm.backend_named("mpi").overlaps and MPI.Query_thread() == MPI.THREAD_MULTIPLE
-          and issuer.issue_mode() == "thread" and not spmd_debug())  # (debug mode checks every call inline)
+          and not spmd_debug())  # where the thread takes calls when the mode is "thread" (debug mode: none)
 ranks = pytest.mark.skipif(SIZE == 1, reason="nothing is communicated at one rank")
 ROWS = 2 * SIZE + 1  # uneven rows
 COLS = CHECK_FROM // 8  # one row is 64 KiB of float64: every call below is checked
