@@ -146,7 +146,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "compute (prefetched all-gathers, reduce-scatters, bucket all-reduces of 64 KiB or "
             "more): a daemon thread, in the order the program made them (where MPI runs at "
             "`MPI_THREAD_MULTIPLE` and the check's data moves on a communicator of its own: the "
-            "MPI backend on MPICH), so the wait for the other ranks' check and MPI's first copy "
+            "MPI backend on MPICH; never in SPMD debug mode, which checks every call before it "
+            "starts), so the wait for the other ranks' check and MPI's first copy "
             "leave the computing thread; or the calling thread (`inline`). An error such a call's "
             "check finds is raised at the library's wait for it.",
             _choice("DTORCH_ASYNC_ISSUE", ISSUE_MODES, ": use one of"), "first use", "comm/issuer.py"),
