@@ -106,12 +106,8 @@ def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Cal
 def issued_inline(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with every collective started on the calling thread (comm/issuer.py)."""
     def run() -> object:
-        mode = issuer.issue_mode()
-        issuer.set_issue_mode("inline")
-        try:
+        with issuer.issuing("inline"):
             return fn()
-        finally:
-            issuer.set_issue_mode(mode)
     return run
 
 

@@ -61,6 +61,18 @@ def set_issue_mode(mode: str) -> None:
     settings.put("DTORCH_ASYNC_ISSUE", mode)
 
 
+@contextlib.contextmanager
+def issuing(mode: str) -> Iterator[None]:
+    """:func:`set_issue_mode` inside, the previous setting back after (an A/B of the modes in
+    one process: tests, benchmarks)."""
+    before = str(settings.get("DTORCH_ASYNC_ISSUE"))
+    set_issue_mode(mode)
+    try:
+        yield
+    finally:
+        set_issue_mode(before)
+
+
 class Issued:
     """The handle of a call handed to the issue thread: ``wait()`` waits for the thread to
     start it, then for the call (raising what its check or start raised); ``done()`` polls."""
