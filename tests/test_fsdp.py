@@ -648,3 +648,154 @@ def test_a_large_host_buffer_starts_on_a_huge_page_and_gives_its_memory_back() -
     small = _Buffer([((4,), np.dtype(np.float64))], "cpu")  # below 2 MiB: an ordinary map
     small.views[0][...] = 1.0
     assert float(small.views[0].sum()) == 4.0
+
+
+def _mlp_step_records(mesh: dt.DeviceMesh, unshard: str) -> tuple[list[tuple[str, str]], list[Any], dict[str, np.ndarray]]:
+    """One first step of the fsdp MLP, fc1 unsharded beforehand (``unshard``: "", "sync" or
+    "async"): the state each unit's forward finds, the collectives, the complete gradients."""
+    seen: list[tuple[str, str]] = []
+    dt.manual_seed(0)
+    model = train_mlp.MLP(3, mesh)
+    train_mlp.apply_plan(model, "fsdp")
+    x_full, y_full = train_mlp.dataset("regression")
+    x = dt.distribute_tensor(x_full, mesh, [S0])
+    y = dt.distribute_tensor(y_full, mesh, [S0])
+    fc1 = model.get_submodule("fc1")
+    with dt.CommCounter() as moved:
+        handle = fc1.unshard(async_op=unshard == "async") if unshard else None
+        assert (handle is None) == (unshard != "async")
+        if unshard:
+            seen.append(("fc1 after unshard", fc1._fsdp_unit.state))
+        gather = _Unit.gather
+
+        def logged(self: _Unit) -> None:
+            seen.append((type(self.module).__name__, self.state))
+            gather(self)
+
+        _Unit.gather = logged  # type: ignore[method-assign]
+        try:
+            out = model(x)
+        finally:
+            _Unit.gather = gather  # type: ignore[method-assign]
+        if handle is not None:
+            handle.wait()  # after the forward finished it: a no-op
+        F.mse_loss(out, y).backward()
+    grads = {k: to_numpy(p.grad.to_torch()) for k, p in model.named_parameters()}
+    return seen, [(r.kind, r.bytes_sent, r.bytes_recv) for r in moved.records], grads
+
+
+def test_unshard_gathers_ahead_of_the_forward_without_a_second_gather(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """FSDP2's ``unshard``: the forward finds the unit's all-gather started (async) or done
+    (sync) and does not gather again; the collectives and gradients equal a step without it."""
+    plain_seen, plain_calls, plain_grads = _mlp_step_records(mesh1d, "")
+    for how, state in (("async", "pending"), ("sync", "gathered")):
+        seen, calls, grads = _mlp_step_records(mesh1d, how)
+        check.true(seen[0] == ("fc1 after unshard", state), f"{how}: {seen[0]}")
+        fc1_found = next(st for name, st in seen[1:] if name == "Linear")  # (fc1 runs before head)
+        check.true(fc1_found == state, f"{how}: fc1's forward found it {fc1_found}")
+        check.true(sorted(calls) == sorted(plain_calls), f"{how}: collectives {calls} against {plain_calls}")
+        for name, g in grads.items():
+            check.equal(g, plain_grads[name], f"{how}: {name} grad", exact=True)
+    check.true(all(st == "free" for _, st in plain_seen), f"without unshard: {plain_seen}")
+    check.done()
+
+
+def test_reshard_frees_an_unsharded_unit(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    dt.manual_seed(0)
+    model = Tower(5, mesh1d)
+    _shard_all(model, mesh1d, True, ("a", "b"))
+    unit = model.a._fsdp_unit
+    handle = model.a.unshard(async_op=True)
+    handle.wait()
+    check.true(unit.state == "gathered", f"after wait: {unit.state}")
+    want = to_numpy(dt.DTensor(unit.slots[0].sharded.to_local(), unit.slots[0].sharded.spec).to_torch())
+    check.equal(to_numpy(unit.slots[0].gathered.to_local()), want, "the gathered weight", exact=True)
+    model.a.reshard()
+    check.true(unit.state == "free", f"after reshard: {unit.state}")
+    if mesh1d.device_type == "cpu":
+        check.true(all(not v.any() for v in unit.buffer.views), "a resharded buffer still holds its pages")
+    handle.wait()  # a no-op now: it does not gather again
+    check.true(unit.state == "free", f"a stale handle's wait gathered again: {unit.state}")
+    check.done()
+
+
+@pytest.mark.parametrize("width", lengths_for(SIZE))
+def test_gradient_sync_off_accumulates_without_reduce_scatters(mesh1d: dt.DeviceMesh, width: int,
+                                                               check: Checker) -> None:
+    """FSDP2's ``set_requires_gradient_sync(False)``: micro-batches' backwards move no
+    gradient and leave the shards' ``.grad`` alone; the first backward with sync on reduces
+    the sum, equal to the replicated model's accumulated gradients."""
+    rng = np.random.default_rng(5)
+    batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(3)]
+    dt.manual_seed(0)
+    plain = Tower(width, mesh1d)
+    dt.manual_seed(0)
+    model = Tower(width, mesh1d)
+    _shard_all(model, mesh1d, True, ("a", "b"))
+    model.set_requires_gradient_sync(False, recurse=False)
+    check.true(model.a._fsdp_unit.sync_gradients and not model._fsdp_unit.sync_gradients,
+               "recurse=False reaches only the module's own unit")
+    model.set_requires_gradient_sync(False)
+    for i, (x, y) in enumerate(batches):
+        last = i == len(batches) - 1
+        if last:
+            model.set_requires_gradient_sync(True)
+        for m in (plain, model):
+            xd = dt.distribute_tensor(x, mesh1d, [S0])
+            with dt.CommCounter() as moved:
+                out = m(xd)
+                F.mse_loss(out, dt.distribute_tensor(y, mesh1d, out.placements)).backward()
+            if m is model:
+                scattered = [r for r in moved.records if r.kind == "reduce_scatter"]
+                check.true(not scattered if not last else (bool(scattered) or SIZE == 1),
+                           f"micro-batch {i}: reduce-scatters {scattered}")
+                check.true(last or all(p.grad is None for p in model.parameters()),
+                           f"micro-batch {i}: a shard's .grad was written with sync off")
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        check.true(p.grad is not None and p.grad.placements == (S0,), f"{name}: grad {p.grad}")
+        check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
+                    f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    check.done()
+
+
+class Branches(nn.Module):
+    """Two units side by side; ``use_b`` off leaves ``b`` out of the forward."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.b = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.use_b = True
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        return self.a(x) + self.b(x) if self.use_b else self.a(x)
+
+
+def test_gradients_accumulated_unsynced_are_reduced_by_a_backward_that_skips_their_unit(
+        mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """A unit used only in micro-batches with sync off: the synced backward, which never
+    reaches it, still reduces what it accumulated (at the end of backward)."""
+    rng = np.random.default_rng(6)
+    batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(2)]
+    dt.manual_seed(0)
+    plain = Branches(mesh1d)
+    dt.manual_seed(0)
+    model = Branches(mesh1d)
+    _shard_all(model, mesh1d, True, ("a", "b"))
+    for i, (x, y) in enumerate(batches):
+        model.set_requires_gradient_sync(i == len(batches) - 1)
+        for m in (plain, model):
+            m.use_b = i == 0
+            xd = dt.distribute_tensor(x, mesh1d, [S0])
+            out = m(xd)
+            F.mse_loss(out, dt.distribute_tensor(y, mesh1d, out.placements)).backward()
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        check.true(p.grad is not None, f"{name}: its accumulated gradient was never reduced")
+        if p.grad is not None:
+            check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
+                        f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    check.done()

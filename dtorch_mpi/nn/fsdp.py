@@ -23,10 +23,12 @@ its forward runs in backward  (a checkpoint's recompute) gather, swap in and kee
                               forward order and its prefetch are left alone
 a gathered grad is complete   (post-accumulate-grad hook) once all of the unit's are: start
                               their reduce-scatters to ``Shard(0)`` (nonblocking, the
-                              previous unit's finished first), free the buffer
+                              previous unit's finished first; not while gradient sync is off:
+                              they accumulate), free the buffer
 backward finishes             (queued callback) finish every reduce-scatter into the sharded
                               parameters' ``.grad``; reduce units whose gradients were only
-                              partly complete; free every buffer
+                              partly complete (or accumulated unsynced); free every buffer
+``module.unshard(async_op)``  start (or finish) its all-gather before the forward that needs it
 ============================  =============================================================
 
 2-D (FSDP x TP): a parameter on the tensor-parallel sub-mesh (or on the 2-D mesh with its dp
@@ -221,8 +223,8 @@ class _Group:
 
     def finish_backward(self) -> None:
         for unit in self.units:
-            if any(s.ready for s in unit.slots) and not unit.reduced:
-                unit.reduce()  # some gradients never came: reduce the ones that did
+            if unit.sync_gradients and not unit.reduced and any(s.gathered.grad is not None for s in unit.slots):
+                unit.reduce(final=True)  # some gradients never came (or accumulated unsynced): reduce those there are
         self.finish_reductions()
         self.reset_units(drop_gathered_grads=False)
         self.backward.leave()
@@ -240,6 +242,7 @@ class _Unit:
         self.state = "free"  # free | pending | gathered
         self.pending: list[Callable[[], Any]] = []
         self.reduced = False
+        self.sync_gradients = True  # False: backward keeps the gathered gradients, unreduced
 
     # --- gather and free ----------------------------------------------------------------
     def start_gather(self) -> None:
@@ -261,6 +264,20 @@ class _Unit:
                 finish()
             self.pending = []
             self.state = "gathered"
+
+    def unshard(self, async_op: bool = False) -> "UnshardHandle | None":
+        """Gather the unit's parameters now, so its next forward (or backward) does not wait
+        for them (FSDP2's ``unshard``): with ``async_op`` the all-gather is started and the
+        handle's ``wait()`` finishes it; without, it is finished here. Collective: every rank
+        of the mesh calls it. Call it after ``optimizer.step()`` (it gathers the values the
+        shards hold now), e.g. to overlap the first unit's all-gather with loading the next
+        batch; the module's attributes stay the shards until its forward."""
+        if not async_op:
+            self.gather()
+            return None
+        with deferred():  # checked and started beside the caller's work (comm/issuer.py)
+            self.start_gather()
+        return UnshardHandle(self)
 
     def free(self) -> None:
         self.expose(False)  # the module computes on the sharded parameters again (see _pre_backward)
@@ -354,16 +371,18 @@ class _Unit:
                 f"reshard_after_forward=False")
         slot.ready = True
         if all(s.ready or not s.gathered.requires_grad for s in self.slots):
-            self.reduce()
+            if self.sync_gradients:
+                self.reduce()
             self.free()
 
-    def reduce(self) -> None:
-        """Start the reduce-scatter of every complete gathered gradient to ``Shard(0)``."""
+    def reduce(self, final: bool = False) -> None:
+        """Start the reduce-scatter of every complete gathered gradient to ``Shard(0)`` (with
+        ``final``, at the end of backward: every gathered gradient there is)."""
         group = self.group
         group.finish_reductions()  # at most one unit's gradients in flight
         for s in self.slots:
             g = s.gathered.grad
-            if g is None or not s.ready:
+            if g is None or not (s.ready or final):
                 continue
             s.gathered.grad = None
             lay = s.layout
@@ -371,6 +390,20 @@ class _Unit:
             with no_grad(), deferred():
                 group.reducing.append((s, terms.redistribute(placements=s.sharded.placements, async_op=True)))
         self.reduced = True
+
+
+class UnshardHandle:
+    """What ``module.unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather (a
+    no-op once the unit's forward, or ``reshard()``, has)."""
+
+    __slots__ = ("_unit",)
+
+    def __init__(self, unit: _Unit) -> None:
+        self._unit = unit
+
+    def wait(self) -> None:
+        if self._unit.state == "pending":
+            self._unit.gather()
 
 
 def _start_gather(p: Parameter, view: Any) -> Callable[[], Any]:
@@ -499,7 +532,12 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     ``backward_prefetch=False`` (PyTorch FSDP1's ``backward_prefetch=None``): in backward this
     unit gathers when its backward starts, without starting the next unit's gather, and first
     finishes the reduce-scatter still in flight, so at most two units' worth of gathered
-    parameters and whole gradients exist at a time; the price is the overlap in backward."""
+    parameters and whole gradients exist at a time; the price is the overlap in backward.
+
+    Adds FSDP2's methods to ``module``: ``unshard(async_op=False)`` (gather now, or start the
+    all-gather and return a handle to ``wait()`` on), ``reshard()`` (free the gathered
+    parameters) and ``set_requires_gradient_sync(flag, *, recurse=True)`` (gradient
+    accumulation without reduce-scatters)."""
     check_module_and_dp_mesh("fully_shard", module, mesh)
     if _unit_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
@@ -538,4 +576,25 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
         return unit.forward(inner_forward, *args, **kwargs)
 
     object.__setattr__(module, "forward", forward)
+    object.__setattr__(module, "unshard", unit.unshard)
+    object.__setattr__(module, "reshard", unit.free)
+
+    def set_requires_gradient_sync(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        _set_gradient_sync(module, requires_gradient_sync, recurse)
+
+    object.__setattr__(module, "set_requires_gradient_sync", set_requires_gradient_sync)
     return module
+
+
+def _set_gradient_sync(module: Module, sync: bool, recurse: bool) -> None:
+    """FSDP2's ``set_requires_gradient_sync``: with ``False`` the backwards of the unit (and,
+    with ``recurse``, of every unit inside ``module``) keep their gathered gradients and add
+    the next ones to them, with no reduce-scatter (gradient accumulation over micro-batches at
+    one unsharded gradient per unit of memory); the first backward with ``True`` again
+    reduce-scatters the sum into the shards' ``.grad``. Every rank sets the same."""
+    if not isinstance(sync, bool):
+        raise TypeError(f"set_requires_gradient_sync takes a bool, got {sync!r}")
+    for m in module.modules() if recurse else (module,):
+        unit = _unit_of(m)
+        if unit is not None:
+            unit.sync_gradients = sync
