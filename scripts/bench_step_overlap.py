@@ -23,7 +23,10 @@ blocking-like form, fixed whatever the mode under test) - the compute step with 
 work. Exposed = step - compute;
 ``exp/comm`` = exposed / comm (the goal: <= 0.25 off-core); ``step/max`` = step / max(compute,
 comm) (goal <= 1.1). BLAS runs one thread per rank (set before NumPy loads). ``--trace PATH`` writes a timeline (dtorch_mpi/timeline.py) of one step
-of each of replicate and fsdp (``PATH`` -> ``PATH-replicate.rank<r>.json`` ...).
+of each of compute, replicate and fsdp (``PATH`` -> ``PATH-replicate-offcore.rank<r>.json`` ...).
+``--load-ms`` adds off-core work at the start of every step (loading the batch); with
+``--unshard`` the fsdp step first calls ``layers[0].unshard(async_op=True)`` (FSDP2's explicit
+prefetch), so the first unit's all-gather runs beside the load instead of before the forward.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def offcore_work(seconds: float) -> Callable[[], object]:
 
 
 def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Callable[[], object],
-              bucket: int) -> Callable[[], object]:
+              bucket: int, load: Callable[[], object] = lambda: None, unshard: bool = False) -> Callable[[], object]:
     dt.manual_seed(0)
     model = Stack(layers, width, mesh, work)
     if plan == "replicate":
@@ -91,9 +94,15 @@ def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Cal
     params = list(model.parameters())
     x = dt.distribute_tensor(np.random.default_rng(2).standard_normal((4 * WORLD.size, width)), mesh, [S0])
 
+    first = model.layers[0]
+
     def step() -> object:
         for p in params:
             p.grad = None
+        if plan == "fsdp" and unshard:
+            first.unshard(async_op=True)  # the first unit's all-gather beside the batch's load
+        with dt.trace_span("load"):
+            load()
         loss = F.mse_loss(model(x), x)
         loss.backward()
         if plan == "blocking":
@@ -120,6 +129,10 @@ def main() -> None:
     ap.add_argument("--kinds", default="offcore,numpy")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--trace", default="")
+    ap.add_argument("--load-ms", type=float, default=0.0,
+                    help="off-core work at the start of every step (loading the batch), in every plan")
+    ap.add_argument("--unshard", action="store_true",
+                    help="fsdp: start the first unit's all-gather before the load (FSDP2's unshard(async_op=True))")
     args = ap.parse_args()
     mesh = dt.init_device_mesh("cpu", (WORLD.size,))
     width = max(1, int(np.sqrt(args.layer_mb * (1 << 20) / 8)))
@@ -128,13 +141,16 @@ def main() -> None:
         print(f"{WORLD.size} ranks, {os.cpu_count()} cores, load before {os.getloadavg()[0]:.2f}; "
               f"collectives issued {issuer.issue_mode()}; "
               f"{args.layers} layers of {width}x{width} float64 ({width * width * 8 / 2**20:.2f} MB), "
-              f"{args.work_ms} ms compute per layer per direction, bucket {args.bucket_mb} MB, {args.reps} reps")
+              f"{args.work_ms} ms compute per layer per direction, bucket {args.bucket_mb} MB, {args.reps} reps"
+              + (f", {args.load_ms} ms load per step" if args.load_ms else "")
+              + (", fsdp unshards its first unit before the load" if args.unshard else ""))
         print(f"{'kind':>8} {'plan':>9} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
               f"{'step/max':>8}   (ms, medians of the slowest rank)")
     bare = {p: make_step(p, mesh, args.layers, width, lambda: None, bucket) for p in ("compute", "fsdp")}
     for kind in args.kinds.split(","):
         work = (offcore_work if kind == "offcore" else step_numpy_work)(args.work_ms / 1e3)
-        steps = {p: make_step(p, mesh, args.layers, width, work, bucket)
+        load = offcore_work(args.load_ms / 1e3)
+        steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load, args.unshard)
                  for p in ("compute", "blocking", "replicate", "fsdp")}
         cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"],
                                                   "bare fsdp": issued_inline(bare["fsdp"])}
@@ -151,7 +167,7 @@ def main() -> None:
                 print(f"{kind:>8} {plan:>9} {med['compute']:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
                       f"{exposed / c if c > 0 else float('nan'):8.2f} {med[plan] / max(med['compute'], c):8.2f}")
         if args.trace and kind == args.kinds.split(",")[0]:
-            for plan in ("replicate", "fsdp"):
+            for plan in ("compute", "replicate", "fsdp"):
                 root, ext = os.path.splitext(args.trace)
                 with dt.trace(f"{root}-{plan}-{kind}{ext or '.json'}"), dt.trace_span("step"):
                     steps[plan]()
