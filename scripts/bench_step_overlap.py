@@ -24,9 +24,10 @@ work. Exposed = step - compute;
 ``exp/comm`` = exposed / comm (the goal: <= 0.25 off-core); ``step/max`` = step / max(compute,
 comm) (goal <= 1.1). BLAS runs one thread per rank (set before NumPy loads). ``--trace PATH`` writes a timeline (dtorch_mpi/timeline.py) of one step
 of each of compute, replicate and fsdp (``PATH`` -> ``PATH-replicate-offcore.rank<r>.json`` ...).
-``--load-ms`` adds off-core work at the start of every step (loading the batch); with
-``--unshard`` the fsdp step first calls ``layers[0].unshard(async_op=True)`` (FSDP2's explicit
-prefetch), so the first unit's all-gather runs beside the load instead of before the forward.
+``--load-ms`` adds off-core work at the start of every step (loading the batch); ``--unshard``
+adds the row ``fsdp+unshard``, interleaved with the others: its step first calls
+``layers[0].unshard(async_op=True)`` (FSDP2's explicit prefetch), so the first unit's
+all-gather runs beside the load instead of before the forward.
 """
 
 from __future__ import annotations
@@ -82,12 +83,12 @@ def offcore_work(seconds: float) -> Callable[[], object]:
 
 
 def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Callable[[], object],
-              bucket: int, load: Callable[[], object] = lambda: None, unshard: bool = False) -> Callable[[], object]:
+              bucket: int, load: Callable[[], object] = lambda: None) -> Callable[[], object]:
     dt.manual_seed(0)
     model = Stack(layers, width, mesh, work)
     if plan == "replicate":
         dt.replicate(model, mesh=mesh, bucket_bytes=bucket)
-    elif plan == "fsdp":
+    elif plan in ("fsdp", "fsdp+unshard"):
         for i, layer in enumerate(model.layers):  # the last layer stays gathered after forward: its
             dt.fully_shard(layer, mesh=mesh, reshard_after_forward=i < layers - 1)  # backward is next
         dt.fully_shard(model, mesh=mesh)  # (torchtitan's recipe for FSDP2)
@@ -99,7 +100,7 @@ def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Cal
     def step() -> object:
         for p in params:
             p.grad = None
-        if plan == "fsdp" and unshard:
+        if plan == "fsdp+unshard":
             first.unshard(async_op=True)  # the first unit's all-gather beside the batch's load
         with dt.trace_span("load"):
             load()
@@ -132,7 +133,7 @@ def main() -> None:
     ap.add_argument("--load-ms", type=float, default=0.0,
                     help="off-core work at the start of every step (loading the batch), in every plan")
     ap.add_argument("--unshard", action="store_true",
-                    help="fsdp: start the first unit's all-gather before the load (FSDP2's unshard(async_op=True))")
+                    help="add fsdp+unshard: fsdp that starts its first unit's all-gather before the load")
     args = ap.parse_args()
     mesh = dt.init_device_mesh("cpu", (WORLD.size,))
     width = max(1, int(np.sqrt(args.layer_mb * (1 << 20) / 8)))
@@ -143,15 +144,15 @@ def main() -> None:
               f"{args.layers} layers of {width}x{width} float64 ({width * width * 8 / 2**20:.2f} MB), "
               f"{args.work_ms} ms compute per layer per direction, bucket {args.bucket_mb} MB, {args.reps} reps"
               + (f", {args.load_ms} ms load per step" if args.load_ms else "")
-              + (", fsdp unshards its first unit before the load" if args.unshard else ""))
-        print(f"{'kind':>8} {'plan':>9} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
+              + (", fsdp+unshard starts its first unit's gather before the load" if args.unshard else ""))
+        print(f"{'kind':>8} {'plan':>12} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
               f"{'step/max':>8}   (ms, medians of the slowest rank)")
     bare = {p: make_step(p, mesh, args.layers, width, lambda: None, bucket) for p in ("compute", "fsdp")}
     for kind in args.kinds.split(","):
         work = (offcore_work if kind == "offcore" else step_numpy_work)(args.work_ms / 1e3)
         load = offcore_work(args.load_ms / 1e3)
-        steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load, args.unshard)
-                 for p in ("compute", "blocking", "replicate", "fsdp")}
+        plans = ("compute", "blocking", "replicate", "fsdp") + (("fsdp+unshard",) if args.unshard else ())
+        steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load) for p in plans}
         cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"],
                                                   "bare fsdp": issued_inline(bare["fsdp"])}
         for fn in cases.values():
@@ -159,12 +160,13 @@ def main() -> None:
         med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD).items()}
         comm = {"blocking": med["blocking"] - med["compute"], "replicate": med["blocking"] - med["compute"],
                 "fsdp": med["bare fsdp"] - med["bare compute"]}
+        comm["fsdp+unshard"] = comm["fsdp"]
         if WORLD.rank == 0:
             print(f"{kind:>8} all medians: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
-            for plan in ("blocking", "replicate", "fsdp"):
+            for plan in plans[1:]:
                 exposed = med[plan] - med["compute"]
                 c = comm[plan]
-                print(f"{kind:>8} {plan:>9} {med['compute']:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
+                print(f"{kind:>8} {plan:>12} {med['compute']:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
                       f"{exposed / c if c > 0 else float('nan'):8.2f} {med[plan] / max(med['compute'], c):8.2f}")
         if args.trace and kind == args.kinds.split(",")[0]:
             for plan in ("compute", "replicate", "fsdp"):
