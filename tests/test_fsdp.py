@@ -760,6 +760,47 @@ def test_gradient_sync_off_accumulates_without_reduce_scatters(mesh1d: dt.Device
     check.done()
 
 
+def test_a_failed_backward_with_sync_off_drops_the_whole_accumulation(mesh1d: dt.DeviceMesh,
+                                                                      check: Checker) -> None:
+    """A backward raising midway with sync off: the gradients accumulated since the last synced
+    backward cannot be told apart from the failed one's partial ones, so all are dropped; the
+    next synced backward's gradients are its own alone (not a silent mix)."""
+    rng = np.random.default_rng(7)
+    batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(3)]
+    width = SIZE + 1
+    dt.manual_seed(0)
+    plain = Tower(width, mesh1d)
+    dt.manual_seed(0)
+    model = Tower(width, mesh1d)
+    _shard_all(model, mesh1d, True, ("a", "b"))
+    model.set_requires_gradient_sync(False)
+
+    def fail(_leaf: dt.DTensor) -> None:
+        raise ValueError("a hook failed")
+
+    for i, (x, y) in enumerate(batches):
+        xd = dt.distribute_tensor(x, mesh1d, [S0])
+        handle = model.b._fsdp_unit.slots[0].gathered.register_post_accumulate_grad_hook(fail) if i == 1 else None
+        if i == 2:
+            model.set_requires_gradient_sync(True)
+        out = model(xd)
+        loss = F.mse_loss(out, dt.distribute_tensor(y, mesh1d, out.placements))
+        if handle is None:
+            loss.backward()
+            continue
+        with pytest.raises(ValueError, match="a hook failed"):
+            loss.backward()
+        handle.remove()  # (the failed backward's state is discarded when the next one starts)
+    out = plain(dt.distribute_tensor(batches[2][0], mesh1d, [S0]))
+    F.mse_loss(out, dt.distribute_tensor(batches[2][1], mesh1d, out.placements)).backward()
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
+                    f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    check.done()
+
+
 class Branches(nn.Module):
     """Two units side by side; ``use_b`` off leaves ``b`` out of the forward."""
 
