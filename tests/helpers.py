@@ -11,6 +11,7 @@ import numpy as np
 from conftest import SIZE, on_mesh
 
 import dtorch_mpi as dt
+from dtorch_mpi import nn
 from dtorch_mpi.ops.signature import Pat
 
 # every 1-d placement kind; the 2-d layouts use Partial("min") so both extrema are reduced
@@ -126,3 +127,18 @@ def a_writing_rank() -> int:
     in h5py (every rank writes collectively), else rank 0 (each node's lowest rank writes its
     node's pieces: checkpoint/funnel.py)."""
     return SIZE - 1 if dt.has_parallel_hdf5() else 0
+
+
+class Branches(nn.Module):
+    """Two ``Linear(4, 3)`` branches summed; ``order`` is the caller's choice of which run and
+    in what order: ``"ab"``, ``"ba"`` or ``"a"`` (``b`` left out of the forward)."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.b = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.order = "ab"
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        first, *rest = (getattr(self, name)(x) for name in self.order)
+        return first + rest[0] if rest else first

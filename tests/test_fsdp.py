@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import SIZE, Checker, lengths_for, to_numpy
+from helpers import Branches
 
 import dtorch_mpi as dt
 from dtorch_mpi import nn
@@ -801,19 +802,6 @@ def test_a_failed_backward_with_sync_off_drops_the_whole_accumulation(mesh1d: dt
     check.done()
 
 
-class Branches(nn.Module):
-    """Two units side by side; ``use_b`` off leaves ``b`` out of the forward."""
-
-    def __init__(self, mesh: dt.DeviceMesh) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.b = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.use_b = True
-
-    def forward(self, x: dt.DTensor) -> dt.DTensor:
-        return self.a(x) + self.b(x) if self.use_b else self.a(x)
-
-
 def test_gradients_accumulated_unsynced_are_reduced_by_a_backward_that_skips_their_unit(
         mesh1d: dt.DeviceMesh, check: Checker) -> None:
     """A unit used only in micro-batches with sync off: the synced backward, which never
@@ -828,7 +816,7 @@ def test_gradients_accumulated_unsynced_are_reduced_by_a_backward_that_skips_the
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == len(batches) - 1)
         for m in (plain, model):
-            m.use_b = i == 0
+            m.order = "ab" if i == 0 else "a"
             xd = dt.distribute_tensor(x, mesh1d, [S0])
             out = m(xd)
             F.mse_loss(out, dt.distribute_tensor(y, mesh1d, out.placements)).backward()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
 from conftest import RANK, SIZE, Checker, lengths_for, to_numpy
+from helpers import Branches
 
 import dtorch_mpi as dt
 from dtorch_mpi import nn
@@ -148,29 +149,12 @@ def test_buckets_are_nonblocking_and_start_during_backward(mesh1d: dt.DeviceMesh
     check.done()
 
 
-class Branches(nn.Module):
-    """Two branches whose forward order is the caller's choice."""
-
-    def __init__(self, mesh: dt.DeviceMesh) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.b = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.a_first = True
-
-    def forward(self, x: dt.DTensor) -> dt.DTensor:
-        if self.a_first:
-            ya = self.a(x)
-            return ya + self.b(x)
-        yb = self.b(x)
-        return self.a(x) + yb
-
-
 @pytest.mark.skipif(SIZE == 1, reason="needs two ranks to diverge")
 def test_ranks_using_parameters_in_different_orders_raise_on_every_rank(mesh1d: dt.DeviceMesh,
                                                                         check: Checker) -> None:
     dt.manual_seed(0)
     model = dt.replicate(Branches(mesh1d), mesh=mesh1d, bucket_bytes=0)
-    model.a_first = RANK % 2 == 0
+    model.order = "ab" if RANK % 2 == 0 else "ba"
     x, y = _data(mesh1d)
     with pytest.raises(dt.SPMDDivergenceError, match="order gradients complete"):
         F.mse_loss(model(x), y).backward()
