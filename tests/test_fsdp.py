@@ -802,19 +802,25 @@ def test_a_failed_backward_with_sync_off_drops_the_whole_accumulation(mesh1d: dt
     check.done()
 
 
+@pytest.mark.parametrize("root", [True, False], ids=["one_group", "blocks_without_root"])
 def test_gradients_accumulated_unsynced_are_reduced_by_a_backward_that_skips_their_unit(
-        mesh1d: dt.DeviceMesh, check: Checker) -> None:
+        mesh1d: dt.DeviceMesh, root: bool, check: Checker) -> None:
     """A unit used only in micro-batches with sync off: the synced backward, which never
-    reaches it, still reduces what it accumulated (at the end of backward)."""
+    reaches it, still reduces what it accumulated (at the end of backward), also when the unit
+    is a group of its own (blocks sharded without a root: no hook of its runs in that backward)."""
     rng = np.random.default_rng(6)
     batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(2)]
     dt.manual_seed(0)
     plain = Branches(mesh1d)
     dt.manual_seed(0)
     model = Branches(mesh1d)
-    _shard_all(model, mesh1d, True, ("a", "b"))
+    for block in (model.a, model.b):
+        dt.fully_shard(block, mesh=mesh1d)
+    if root:
+        dt.fully_shard(model, mesh=mesh1d)
     for i, (x, y) in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)
+        for block in (model.a, model.b):
+            block.set_requires_gradient_sync(i == len(batches) - 1)
         for m in (plain, model):
             m.order = "ab" if i == 0 else "a"
             xd = dt.distribute_tensor(x, mesh1d, [S0])
@@ -827,4 +833,5 @@ def test_gradients_accumulated_unsynced_are_reduced_by_a_backward_that_skips_the
         if p.grad is not None:
             check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
                         f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    check.true(not model.b._fsdp_unit.holds_gradients(), "b still holds a gathered gradient")
     check.done()

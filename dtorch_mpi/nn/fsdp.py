@@ -27,7 +27,9 @@ a gathered grad is complete   (post-accumulate-grad hook) once all of the unit's
                               they accumulate), free the buffer
 backward finishes             (queued callback) finish every reduce-scatter into the sharded
                               parameters' ``.grad``; reduce units whose gradients were only
-                              partly complete (or accumulated unsynced); free every buffer
+                              partly complete (or accumulated unsynced), and those of other
+                              groups this backward missed whose sync is on again; free every
+                              buffer
 ``module.unshard(async_op)``  start (or finish) its all-gather before the forward that needs it
 ============================  =============================================================
 
@@ -47,7 +49,9 @@ and metadata, so every rank starts the same collectives in the same order.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,6 +76,8 @@ from .wrapping import check_module_and_dp_mesh
 
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
 _HUGE = 2 << 20  # bytes: a transparent huge page (x86-64, arm64 with 4 KiB pages)
+_SERIALS = itertools.count()
+_UNSYNCED: "weakref.WeakSet[_Unit]" = weakref.WeakSet()  # units holding gradients accumulated with sync off
 
 
 @dataclass(frozen=True)
@@ -208,6 +214,8 @@ class _Group:
                 s.ready = False
                 if drop_gathered_grads:
                     s.gathered.grad = None
+            if not unit.holds_gradients():
+                _UNSYNCED.discard(unit)
 
     def finish_reductions(self) -> None:
         """Wait for the reduce-scatters in flight; add each result to its parameter's .grad."""
@@ -223,11 +231,30 @@ class _Group:
 
     def finish_backward(self) -> None:
         for unit in self.units:
-            if unit.sync_gradients and not unit.reduced and any(s.gathered.grad is not None for s in unit.slots):
+            if not unit.holds_gradients():
+                continue
+            if not unit.sync_gradients:
+                _UNSYNCED.add(unit)  # accumulated unsynced: the next synced backward reduces them
+            elif not unit.reduced:
                 unit.reduce(final=True)  # some gradients never came (or accumulated unsynced): reduce those there are
         self.finish_reductions()
         self.reset_units(drop_gathered_grads=False)
         self.backward.leave()
+        self.reduce_unsynced_elsewhere()
+
+    def reduce_unsynced_elsewhere(self) -> None:
+        """Reduce what units of other groups accumulated unsynced, once their sync is back on,
+        though this backward did not reach them (two models, or blocks sharded without a
+        root): a synced backward leaves no accumulation behind to mix into a later step. A
+        group inside a backward (this one, or one that raised) is left to its own end."""
+        others = sorted((u for u in _UNSYNCED if u.sync_gradients and u.group.backward.frame is None
+                         and u.group is not self), key=lambda u: u.serial)  # the same order on every rank
+        for unit in others:
+            if unit.holds_gradients():
+                unit.reduce(final=True)
+                unit.group.finish_reductions()
+            unit.reduced = False
+            _UNSYNCED.discard(unit)
 
 
 class _Unit:
@@ -243,6 +270,11 @@ class _Unit:
         self.pending: list[Callable[[], Any]] = []
         self.reduced = False
         self.sync_gradients = True  # False: backward keeps the gathered gradients, unreduced
+        self.serial = next(_SERIALS)  # creation order, the same on every rank
+
+    def holds_gradients(self) -> bool:
+        """Whether some gathered parameter still has a gradient (not yet reduce-scattered)."""
+        return any(s.gathered.grad is not None for s in self.slots)
 
     # --- gather and free ----------------------------------------------------------------
     def start_gather(self) -> None:
@@ -532,7 +564,8 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     ``backward_prefetch=False`` (PyTorch FSDP1's ``backward_prefetch=None``): in backward this
     unit gathers when its backward starts, without starting the next unit's gather, and first
     finishes the reduce-scatter still in flight, so at most two units' worth of gathered
-    parameters and whole gradients exist at a time; the price is the overlap in backward.
+    parameters and whole gradients exist at a time (with gradient sync on); the price is the
+    overlap in backward.
 
     Adds FSDP2's methods to ``module``: ``unshard(async_op=False)`` (gather now, or start the
     all-gather and return a handle to ``wait()`` on), ``reshard()`` (free the gathered
