@@ -23,6 +23,8 @@ from helpers import Branches
 import dtorch_mpi as dt
 from dtorch_mpi import nn
 from dtorch_mpi.arrays import array_namespace
+from dtorch_mpi.comm import pool
+from dtorch_mpi.mesh import live_caches
 from dtorch_mpi.nn import functional as F
 from dtorch_mpi.nn.fsdp import _Unit
 
@@ -91,6 +93,34 @@ def test_gradients_equal_the_replicated_model(mesh1d: dt.DeviceMesh, width: int,
         else:  # device memory is handed back by dropping the allocation and every reference to it
             check.true(not unit.buffer.views and all(s.gathered.to_local() is None for s in unit.slots),
                        "a freed device buffer is still referenced")
+    check.done()
+
+
+def test_gradient_shards_own_their_bytes_outside_the_pool(mesh1d: dt.DeviceMesh, monkeypatch: pytest.MonkeyPatch,
+                                                           check: Checker) -> None:
+    """Every collective output pooled (as from 256 KiB on): a shard's ``.grad`` is the
+    reduce-scatter's output itself, taken out of the pool (comm/pool.py ``detach``), so it is
+    never handed out again while held and ``zero_grad`` frees it; the values stay right."""
+    monkeypatch.setattr(pool, "POOLED_FROM", 1)
+    for plans in live_caches("_plans"):  # a compiled plan chose its allocator: recompile
+        plans.cache_clear()
+    x = np.random.default_rng(3).standard_normal((7, 4))
+    y = np.random.default_rng(4).standard_normal((7, 3))
+    dt.manual_seed(0)
+    want = _grads(Tower(SIZE + 2, mesh1d), x, y, mesh1d)
+    dt.manual_seed(0)
+    model = Tower(SIZE + 2, mesh1d)
+    _shard_all(model, mesh1d, True, ("a", "b"))
+    got = _grads(model, x, y, mesh1d)  # one backward: each .grad is the reduce-scatter's output
+    owners = {id(o) for bucket in pool._owners.values() for o, _ in bucket}
+    for name, p in model.named_parameters():
+        local = p.grad.to_local()
+        check.true(id(local.base) not in owners, f"{name}: its .grad is a buffer the pool may hand out")
+        check.true(local.base is None or local.base.nbytes <= local.nbytes + pool.PAGE,
+                   f"{name}: .grad a view of {getattr(local.base, 'shape', None)}")
+        check.equal(got[name], want[name], f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    for plans in live_caches("_plans"):
+        plans.cache_clear()
     check.done()
 
 

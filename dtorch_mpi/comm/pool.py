@@ -20,6 +20,8 @@ Bounded by ``DTORCH_BUFFER_POOL_BYTES`` (default 256 MiB, ``0`` turns pooling of
 owners are forgotten first, which never frees one still in use: its users keep it). Small
 buffers bypass the pool (malloc reuses them without page faults, and the pool would only add
 Python time). Emptied by ``DeviceMesh.free()``. CuPy buffers go to CuPy's own caching allocator.
+``detach`` takes a buffer out of the pool for a result that its user keeps and drops step after
+step (fully_shard's gradient shards), so dropping it frees its memory instead of idling it here.
 """
 
 from __future__ import annotations
@@ -67,6 +69,27 @@ def clear() -> None:
     global _held
     _owners.clear()
     _held = 0
+
+
+def detach(view: Any) -> None:
+    """Take the owner of ``view`` (an array :func:`empty` handed out) out of the pool: its
+    memory then lives and dies with its users, as a plain allocation would. For a result that
+    outlives many steps and is dropped between them (fully_shard's gradient shards: kept
+    pooled, each ``zero_grad`` would leave them idle in the pool, held through the next
+    forward). Anything else is left alone."""
+    global _held
+    owner = getattr(view, "base", None)
+    if owner is None:
+        return
+    with _lock:
+        bucket = _owners.get(owner.nbytes - PAGE)
+        for i, (o, _) in enumerate(bucket or ()):
+            if o is owner:
+                del bucket[i]  # type: ignore[union-attr]
+                _held -= owner.nbytes - PAGE
+                if not bucket:
+                    del _owners[owner.nbytes - PAGE]
+                return
 
 
 def _refcounts(bucket: list[Owner]) -> list[int]:
