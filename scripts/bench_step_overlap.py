@@ -159,8 +159,7 @@ def main() -> None:
             fn()  # a first warm-up (replicate fixes its bucket order on it); timed_interleaved runs the second
         med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD).items()}
         comm = {"blocking": med["blocking"] - med["compute"], "replicate": med["blocking"] - med["compute"],
-                "fsdp": med["bare fsdp"] - med["bare compute"]}
-        comm["fsdp+unshard"] = comm["fsdp"]
+                "fsdp": med["bare fsdp"] - med["bare compute"], "fsdp+unshard": med["bare fsdp"] - med["bare compute"]}
         if WORLD.rank == 0:
             print(f"{kind:>8} all medians: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
             for plan in plans[1:]:

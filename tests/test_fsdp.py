@@ -763,6 +763,8 @@ def test_gradient_sync_off_accumulates_without_reduce_scatters(mesh1d: dt.Device
     dt.manual_seed(0)
     model = Tower(width, mesh1d)
     _shard_all(model, mesh1d, True, ("a", "b"))
+    with pytest.raises(TypeError, match="set_requires_gradient_sync takes a bool, got 0"):
+        model.set_requires_gradient_sync(0)  # type: ignore[arg-type]
     model.set_requires_gradient_sync(False, recurse=False)
     check.true(model.a._fsdp_unit.sync_gradients and not model._fsdp_unit.sync_gradients,
                "recurse=False reaches only the module's own unit")

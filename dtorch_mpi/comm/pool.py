@@ -81,14 +81,15 @@ def detach(view: Any) -> None:
     owner = getattr(view, "base", None)
     if owner is None:
         return
+    nbytes = owner.nbytes - PAGE  # the size its bucket is keyed by (see _new_owner)
     with _lock:
-        bucket = _owners.get(owner.nbytes - PAGE)
-        for i, (o, _) in enumerate(bucket or ()):
+        bucket = _owners.get(nbytes, [])
+        for i, (o, _) in enumerate(bucket):
             if o is owner:
-                del bucket[i]  # type: ignore[union-attr]
-                _held -= owner.nbytes - PAGE
+                del bucket[i]
+                _held -= nbytes
                 if not bucket:
-                    del _owners[owner.nbytes - PAGE]
+                    del _owners[nbytes]
                 return
 
 
