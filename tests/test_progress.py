@@ -13,7 +13,7 @@ from mpi4py import MPI
 from mpi_launch import child_env, mpiexec
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import Group, backend_named, progress
+from dtorch_mpi.comm import Group, backend_named, progress, work
 from dtorch_mpi.comm.progress import progress_mode, set_progress_mode
 from dtorch_mpi.split import split_sizes
 
@@ -52,6 +52,49 @@ def test_an_async_gather_fills_its_output_while_the_caller_makes_no_mpi_call(
     arrived = np.array_equal(out, full)
     check.equal(work.wait(), full, "the gathered vector")
     assert arrived, "the transfer did not progress while the caller made no MPI call"
+
+
+def test_the_thread_stops_polling_once_the_transfer_completed_though_nobody_waited_yet(
+    mesh1d: dt.DeviceMesh, thread_progress: None, check: Checker
+) -> None:
+    """The thread completes a request itself and then rests, though the request stays in
+    flight until the main thread's next collective or wait reaps it (it used to poll on until
+    then: a fifth of a core in fully_shard's step, issue 26)."""
+    group = Group(mesh1d.get_group(0), 0)
+    m = group.size
+    sizes = split_sizes(ROWS_PER_RANK * m, m)
+    full = np.arange(sum(sizes), dtype=np.float64)
+    start = sum(sizes[: group.rank])
+    out = np.full_like(full, -1.0)
+    handle = BACKEND.all_gather(group, full[start : start + sizes[group.rank]], out, 0, sizes, async_op=True)
+    entry = getattr(handle, "_entry", None)  # None: finished inside the call (one rank)
+    deadline = time.monotonic() + 60
+    thread = progress._thread
+    while entry is not None and not (entry.complete and thread is not None and not thread.polling) \
+            and time.monotonic() < deadline:
+        time.sleep(1e-3)  # no MPI call on this thread
+        thread = progress._thread
+    if entry is not None:
+        rested = entry.complete and thread is not None and not thread.polling
+        assert entry in work._IN_FLIGHT, "the request was reaped, though the main thread made no MPI call"
+        assert rested, "the progress thread still polls a completed transfer"
+    check.equal(handle.wait(), full, "the gathered vector")
+
+
+def test_a_request_being_waited_on_is_skipped_and_reported_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The progress thread's poll never tests a request another thread is waiting on (that wait
+    holds its lock throughout); it reports it held, so the thread drives MPI by its own receive
+    meanwhile. A complete request is not tested again."""
+    never = _DoneAfter(1e9)
+    entry = work._InFlight(never, ())  # type: ignore[arg-type]
+    monkeypatch.setattr(work, "_IN_FLIGHT", {entry})
+    tested = []
+    monkeypatch.setattr(never, "Test", lambda: tested.append(1) or False)
+    assert work._poll_in_flight() == (True, False) and len(tested) == 1
+    with entry._lock:  # as entry.wait() holds it
+        assert work._poll_in_flight() == (True, True) and len(tested) == 1, "a held request was tested"
+    entry.complete = True
+    assert work._poll_in_flight() == (False, False) and len(tested) == 1, "a complete request was tested again"
 
 
 def test_async_results_are_right_with_and_without_the_thread(mesh1d: dt.DeviceMesh, check: Checker,

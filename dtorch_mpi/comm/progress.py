@@ -2,17 +2,25 @@
 
 MPI advances a nonblocking collective only while some thread of the process is inside an MPI
 call; NumPy work between ``redistribute(async_op=True)`` and ``wait()`` makes none, so without
-help a large transfer sits idle until the wait. While any library-started request is in
-flight, a daemon thread tests a receive of its own every ``DTORCH_PROGRESS_INTERVAL``
-microseconds (default 50; the interval doubles every 64 polls up to 1 ms, so a request left
-unwaited costs little CPU, and starts again at the base for each new request): a receive
-posted on a private duplicate of ``COMM_SELF`` that no message ever matches. Testing an incomplete request runs MPI's whole progress engine (MPICH,
-Open MPI), so the transfer advances beside the caller's work. (``MPI_Iprobe`` on a self
-communicator does not: MPICH answers it without progressing.) The thread never tests, waits on
-or starts a library request (completing one request from two threads is erroneous MPI, and
-starting collectives off the main thread would break their order across ranks), so it changes
-no MPI-level call sequence; it sleeps on an event when nothing is in flight, so blocking
-programs pay nothing.
+help a large transfer sits idle until the wait. While any library-started request is
+incomplete, a daemon thread tests the in-flight requests every ``DTORCH_PROGRESS_INTERVAL``
+microseconds (default 50; the interval doubles every 64 polls up to 1 ms, so a transfer that
+takes long costs little CPU, and starts again at the base for each new request). Testing an
+incomplete request runs MPI's whole progress engine (MPICH, Open MPI), so the transfer
+advances beside the caller's work. (``MPI_Iprobe`` on a self communicator does not: MPICH
+answers it without progressing.)
+
+Each request is tested under its own lock (``comm/work.py``), so this thread and the main
+thread, waiting on it, never test it at once (completing one request from two threads is
+erroneous MPI); a request this thread completes is marked so and never tested again, and the
+main thread, finding it complete, releases it. A request that a thread is waiting on (its lock
+held for the whole wait, which naps between its tests) is skipped, and the thread then tests
+a receive of its own that nothing matches, so the transfer still advances during those naps.
+The thread never starts or waits on a request,
+so it changes no MPI-level call sequence. It stops polling as soon as every request in flight
+has completed (polling on until the main thread reaped them cost fully_shard a fifth of a
+core: 20 ms of CPU in a 120 ms step, on the cores its compute needed; issue 26), and sleeps on
+an event when nothing is in flight, so blocking programs pay nothing.
 
 ``DTORCH_ASYNC_PROGRESS``: ``thread`` (the default where MPI runs at ``MPI_THREAD_MULTIPLE``,
 mpi4py's default) or ``off`` (then transfers advance only inside library calls: every
@@ -56,13 +64,17 @@ def _interval_after(base: float, polls: int) -> float:
 
 
 class ProgressThread:
-    """Polls MPI's progress engine while ``busy()`` says requests are in flight."""
+    """Calls ``poll()`` (which tests the requests in flight, so MPI advances them) until it
+    says none is left incomplete; where it says one it skipped is being waited on (by a wait
+    that naps between its tests), it drives MPI itself: it tests a receive of its own, posted
+    on a private duplicate of ``COMM_SELF`` that no message ever matches."""
 
-    def __init__(self, busy: Callable[[], bool], interval: float) -> None:
-        self._busy = busy
+    def __init__(self, poll: Callable[[], tuple[bool, bool]], interval: float) -> None:
+        self._poll = poll
         self._interval = interval
         self._wake = threading.Event()
         self._stop = False
+        self.polling = False  # inside a run of polls (tests read it)
         self._comm = MPI.COMM_SELF.Dup()  # no message is ever sent on it
         self._never = self._comm.Irecv(bytearray(1), source=0, tag=0)
         self._thread = threading.Thread(target=self._run, name="dtorch-mpi-progress", daemon=True)
@@ -77,13 +89,19 @@ class ProgressThread:
             self._wake.wait()
             self._wake.clear()
             polls = 0
-            while not self._stop and self._busy():
-                self._never.Test()
+            self.polling = True
+            while not self._stop:
+                incomplete, held = self._poll()
+                if not incomplete:
+                    break
+                if held:
+                    self._never.Test()
                 polls += 1
                 interval = _interval_after(self._interval, polls)
                 if self._wake.wait(interval):  # a new request, or stop: back to the base interval
                     self._wake.clear()
                     polls = 0
+            self.polling = False
             if self._stop:
                 return
 
@@ -102,15 +120,17 @@ _thread: ProgressThread | None = None
 _mode: str | None = None
 
 
-def started(busy: Callable[[], bool]) -> None:
-    """A nonblocking request has been started: make sure it progresses in the background."""
+def started(poll: Callable[[], tuple[bool, bool]]) -> None:
+    """A nonblocking request has been started: make sure it progresses in the background
+    (``poll()`` tests the requests in flight: whether any is still incomplete, and whether
+    one of those is being waited on by another thread)."""
     global _thread, _mode
     if _mode is None:
         _mode = progress_mode()
     if _mode == "off":
         return
     if _thread is None:
-        _thread = ProgressThread(busy, poll_interval())
+        _thread = ProgressThread(poll, poll_interval())
     _thread.kick()
 
 

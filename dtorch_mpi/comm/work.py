@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import atexit
 from collections.abc import Callable
-from threading import current_thread, main_thread
+from threading import Lock, current_thread, main_thread
 from typing import Any
 
 from mpi4py import MPI
@@ -24,13 +24,44 @@ from .deadline import wait_request
 
 
 class _InFlight:
-    """A started request and the buffers/datatypes MPI may still touch."""
+    """A started request and the buffers/datatypes MPI may still touch. Its ``test()`` is the
+    only way any thread tests it: under its lock, so the main thread (waiting) and the progress
+    thread (comm/progress.py, polling) never test it at once (MPI forbids two threads
+    completing one request), and once complete it is never tested again."""
 
-    __slots__ = ("request", "keep")
+    __slots__ = ("request", "keep", "complete", "_lock")
 
     def __init__(self, request: MPI.Request, keep: tuple[Any, ...]) -> None:
         self.request = request
         self.keep = keep
+        self.complete = False
+        self._lock = Lock()
+
+    def test(self, block: bool = True) -> bool:
+        """Whether the request has completed (testing it drives MPI's progress engine); with
+        ``block=False``, ``False`` at once where another thread is testing it now."""
+        if self.complete:
+            return True
+        if not self._lock.acquire(block):
+            return False
+        try:
+            if not self.complete and self.request.Test():
+                self.complete = True
+        finally:
+            self._lock.release()
+        return self.complete
+
+    def being_tested(self) -> bool:
+        return self._lock.locked()
+
+    def wait(self, what: str) -> None:
+        """Wait until the request completes (bounded by the deadline). The lock is held
+        throughout, so the progress thread skips it (this thread drives MPI meanwhile) rather
+        than taking turns at it, each turn a thread switch."""
+        with self._lock:
+            if not self.complete:
+                wait_request(self.request, what)
+                self.complete = True
 
 
 _IN_FLIGHT: set[_InFlight] = set()
@@ -49,25 +80,37 @@ def reap() -> None:
     not test a request the main thread may be waiting on."""
     if not _IN_FLIGHT or current_thread() is not main_thread():
         return
-    for entry in [e for e in list(_IN_FLIGHT) if e.request.Test()]:
+    for entry in [e for e in list(_IN_FLIGHT) if e.test()]:
         _IN_FLIGHT.discard(entry)
 
 
-def _any_in_flight() -> bool:
-    return bool(_IN_FLIGHT)
+def _poll_in_flight() -> tuple[bool, bool]:
+    """The progress thread's poll: test every incomplete in-flight request (which advances
+    them); whether any is still incomplete, and whether one of those is being waited on by
+    another thread now (its lock held: skipped here, the caller then drives MPI by other means,
+    as that wait naps between its tests). A request completed here is reaped by the main
+    thread, which finds it complete."""
+    incomplete = held = False
+    for entry in list(_IN_FLIGHT):
+        if entry.complete:
+            continue
+        if not entry.test(block=False):
+            incomplete = True
+            held = held or entry.being_tested()
+    return incomplete, held
 
 
 def progress_in_background() -> None:
     """The request just started is waited on later: keep MPI progressing it meanwhile
     (comm/progress.py)."""
-    progress.started(_any_in_flight)
+    progress.started(_poll_in_flight)
 
 
 def drain() -> None:
     """Wait for every in-flight request (at exit, before MPI is finalised)."""
     for entry in list(_IN_FLIGHT):
         try:
-            wait_request(entry.request, "a dropped nonblocking collective (at exit)")
+            entry.wait("a dropped nonblocking collective (at exit)")
         except Exception:
             _ABANDONED.append(entry)  # timed out: MPI may still write into its buffers
         _IN_FLIGHT.discard(entry)
@@ -143,7 +186,7 @@ class Work:
         self._finished = True
 
     def done(self) -> bool:
-        if not self._finished and self._entry is not None and self._entry.request.Test():
+        if not self._finished and self._entry is not None and self._entry.test():
             self._complete()
         return self._finished
 
@@ -152,7 +195,7 @@ class Work:
             entry = self._entry
             assert entry is not None
             try:
-                wait_request(entry.request, self._what)
+                entry.wait(self._what)
             except Exception:
                 _IN_FLIGHT.discard(entry)  # never completes: its buffers stay alive for good
                 _ABANDONED.append(entry)
