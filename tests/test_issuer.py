@@ -8,7 +8,8 @@ starts); elsewhere every call stays inline and the tests check that nothing was 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from dtorch_mpi import nn, settings
 from dtorch_mpi.comm import divergence, issuer
 from dtorch_mpi.comm.config import spmd_debug
 from dtorch_mpi.comm.divergence import CHECK_FROM
+from dtorch_mpi.comm.work import Done
 from dtorch_mpi.nn import functional as F
 
 R, S0 = dt.Replicate(), dt.Shard(0)
@@ -205,3 +207,71 @@ def test_the_issue_mode_is_checked() -> None:
     assert settings.parse("DTORCH_ASYNC_ISSUE", "inline") == "inline"
     with pytest.raises(ValueError, match="DTORCH_ASYNC_ISSUE='x': use one of thread, inline"):
         settings.parse("DTORCH_ASYNC_ISSUE", "x")
+
+
+@pytest.fixture
+def held_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """A fresh issue thread that takes no call until the event is set (so a test decides who
+    starts what), or 30 s have passed (a broken helper then fails the test, not hangs it);
+    afterwards it is stopped and the next call starts a normal one."""
+    issuer.stop()
+    release = threading.Event()
+    fallback = threading.Timer(30.0, release.set)
+    fallback.start()
+    real_run = issuer._run
+
+    def held_run() -> None:
+        release.wait()
+        real_run()
+
+    monkeypatch.setattr(issuer, "_run", held_run)
+    try:
+        yield release
+    finally:
+        fallback.cancel()
+        release.set()
+        issuer.stop()
+
+
+def _recording(log: list[tuple[str, str]], name: str, fails: bool = False) -> Callable[[], Done]:
+    def issue() -> Done:
+        log.append((name, threading.current_thread().name))
+        if fails:
+            raise RuntimeError(f"{name} failed to start")
+        return Done(name)
+    return issue
+
+
+@pytest.mark.rank_independent
+@pytest.mark.path_independent
+def test_a_waiter_starts_the_calls_queued_before_its_own_in_order(held_thread: threading.Event) -> None:
+    """Waiting for a call the thread has not taken yet starts it on the waiting thread, after
+    every call queued before it (in order; an earlier call's failure stays its own); calls
+    queued after it are left to the thread."""
+    log: list[tuple[str, str]] = []
+    a = issuer.submit(_recording(log, "a", fails=True))
+    b = issuer.submit(_recording(log, "b"))
+    c = issuer.submit(_recording(log, "c"))
+    assert b.wait() == "b"
+    main = threading.current_thread().name
+    assert log == [("a", main), ("b", main)] and not c.done()
+    with pytest.raises(RuntimeError, match="a failed to start"):
+        a.wait()
+    held_thread.set()
+    assert c.wait() == "c"
+    assert log[2][0] == "c"
+    issuer.drain()
+    assert issuer._outstanding == 0
+
+
+@pytest.mark.rank_independent
+@pytest.mark.path_independent
+def test_drain_starts_the_queued_calls_itself(held_thread: threading.Event) -> None:
+    """A call made outside ``deferred()`` first waits for every call handed over to start
+    (``drain``): it starts them itself rather than wait for the thread to wake."""
+    log: list[tuple[str, str]] = []
+    handles = [issuer.submit(_recording(log, name)) for name in "xyz"]
+    issuer.drain()
+    main = threading.current_thread().name
+    assert log == [(name, main) for name in "xyz"] and issuer._outstanding == 0
+    assert [h.wait() for h in handles] == list("xyz")
