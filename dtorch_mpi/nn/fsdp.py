@@ -141,8 +141,9 @@ class _Buffer:
         self.ensure()
 
     def ensure(self) -> bool:
-        """Make sure the buffer is allocated; True when this made a new allocation (new views)."""
-        if self.views:
+        """Make sure the buffer is allocated; True when this made a new allocation (new views).
+        A unit without parameters (a root whose blocks hold them all) has nothing to map."""
+        if self.views or not self._specs:
             return False
         if self._device_type == "cpu":
             raw: Any = self._host_map()
