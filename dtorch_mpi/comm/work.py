@@ -80,7 +80,7 @@ def reap() -> None:
     not test a request the main thread may be waiting on."""
     if not _IN_FLIGHT or current_thread() is not main_thread():
         return
-    for entry in [e for e in list(_IN_FLIGHT) if e.test()]:
+    for entry in [e for e in list(_IN_FLIGHT) if e.test(block=False)]:  # (one the progress thread is testing: next time)
         _IN_FLIGHT.discard(entry)
 
 
@@ -186,7 +186,7 @@ class Work:
         self._finished = True
 
     def done(self) -> bool:
-        if not self._finished and self._entry is not None and self._entry.test():
+        if not self._finished and self._entry is not None and self._entry.test(block=False):  # a poll never blocks
             self._complete()
         return self._finished
 
