@@ -125,7 +125,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DTORCH_WAIT_SPIN", "microseconds >= 0", "500",
             "How long a rank waiting in a collective polls without pause before it backs off "
             "to short sleeps (growing to 1 ms, at most an eighth of the time waited so far), "
-            "so waiting ranks leave shared cores to the ranks still working.",
+            "so waiting ranks leave shared cores to the ranks still working. The library's "
+            "background issue thread spins at most 50 µs (its polls hold the GIL).",
             _number("DTORCH_WAIT_SPIN", float, "is not a number of microseconds",
                     lambda us: not us >= 0, "must be a number of microseconds >= 0"),
             "first use", "comm/deadline.py"),

@@ -230,6 +230,28 @@ def test_a_wait_spins_without_sleeping_for_the_spin_time(monkeypatch: pytest.Mon
     assert naps == []
 
 
+def test_a_background_threads_wait_spins_at_most_50_us(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue thread's waits (its checks) back off after 50 µs whatever DTORCH_WAIT_SPIN
+    says: their polls hold the GIL the computing thread needs."""
+    import threading
+
+    from dtorch_mpi import settings
+    from dtorch_mpi.comm.deadline import BACKGROUND_SPIN, wait_spin
+
+    monkeypatch.setitem(settings._kept, "DTORCH_WAIT_SPIN", 1e9)
+    got: list[object] = []
+
+    def background() -> None:
+        got.append(wait_spin())
+        got.append(_naps_of_a_wait(monkeypatch, 0.01)[0])
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert got[0] == BACKGROUND_SPIN == 50e-6 and wait_spin() == 1e3
+    assert got[1], "a 10 ms wait on a background thread never slept"
+
+
 @pytest.mark.parametrize("value", ["-1", "soon", "nan"])
 def test_a_wrong_wait_spin_is_a_clear_error(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from dtorch_mpi import settings
