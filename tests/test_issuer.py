@@ -275,3 +275,28 @@ def test_drain_starts_the_queued_calls_itself(held_thread: threading.Event) -> N
     main = threading.current_thread().name
     assert log == [(name, main) for name in "xyz"] and issuer._outstanding == 0
     assert [h.wait() for h in handles] == list("xyz")
+
+
+@pytest.mark.rank_independent
+@pytest.mark.path_independent
+def test_an_interrupt_while_helping_reaches_the_caller_and_loses_no_call(held_thread: threading.Event) -> None:
+    """Ctrl-C landing while the waiting thread runs an earlier queued call: that call counts as
+    started (its wait raises the interrupt), the waiter sees the interrupt at once, and the
+    rest of the queue still starts, on the thread, in order."""
+    log: list[tuple[str, str]] = []
+
+    def interrupted() -> Done:
+        log.append(("a", threading.current_thread().name))
+        raise KeyboardInterrupt
+
+    a = issuer.submit(interrupted)
+    b = issuer.submit(_recording(log, "b"))
+    with pytest.raises(KeyboardInterrupt):
+        b.wait()
+    assert [name for name, _ in log] == ["a"] and not b.done()
+    with pytest.raises(KeyboardInterrupt):
+        a.wait()
+    held_thread.set()
+    assert b.wait() == "b" and log[1][0] == "b"
+    issuer.drain()
+    assert issuer._outstanding == 0

@@ -81,12 +81,41 @@ def test_the_thread_stops_polling_once_the_transfer_completed_though_nobody_wait
     check.equal(handle.wait(), full, "the gathered vector")
 
 
+@pytest.mark.rank_independent  # one process, on a duplicate of COMM_SELF
+@pytest.mark.path_independent
+def test_an_error_completing_a_request_on_the_thread_is_raised_by_the_wait(thread_progress: None) -> None:
+    """A request MPI completes with an error (here a receive truncated by a longer send) while
+    the progress thread tests it: the thread lives on, and the owner's wait raises the error
+    (it used to kill the thread, and the wait, finding the request null, returned as if done)."""
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        short = np.zeros(10)
+        sent = comm.Isend(np.ones(1000), dest=0, tag=7)
+        handle = work.Work(comm.Irecv(short, source=0, tag=7), lambda: short, (short,), "a truncated receive")
+        entry = handle._entry
+        assert entry is not None
+        work.progress_in_background()
+        deadline = time.monotonic() + 30
+        while not entry.complete and time.monotonic() < deadline:
+            time.sleep(1e-3)  # no MPI call on this thread: the progress thread completes it
+        thread = progress._thread
+        assert entry.complete and entry.error is not None, "the progress thread did not complete the request"
+        assert thread is not None and thread._thread.is_alive(), "the error ended the progress thread"
+        with pytest.raises(MPI.Exception, match="(?i)trunc"):
+            handle.wait()
+        sent.Wait()
+    finally:
+        comm.Free()
+
+
 def test_a_request_being_waited_on_is_skipped_and_reported_held(monkeypatch: pytest.MonkeyPatch) -> None:
     """The progress thread's poll never tests a request another thread is waiting on (that wait
     holds its lock throughout); it reports it held, so the thread drives MPI by its own receive
     meanwhile. A complete request is not tested again."""
     never = _DoneAfter(1e9)
     entry = work._InFlight(never, ())  # type: ignore[arg-type]
+    assert not entry.polled, "a request that is not MPI's (a GPU event) is not the thread's"
+    entry.polled = True  # the stand-in as an MPI request
     monkeypatch.setattr(work, "_IN_FLIGHT", {entry})
     tested = []
     monkeypatch.setattr(never, "Test", lambda: tested.append(1) or False)

@@ -145,27 +145,37 @@ def _start_next(unless: threading.Event | None = None) -> bool:
     start in the order they were handed over whoever runs them. Nothing is taken once
     ``unless`` is set (a helper whose call the thread started meanwhile)."""
     global _outstanding
+    reraise: BaseException | None = None
+    handle: Issued | None = None
     with _run_lock:
-        with _lock:
-            if not _queue or (unless is not None and unless.is_set()):
-                return True
-            if _queue[0][1] is _stop_marker and threading.current_thread() is not _thread:
-                return True  # only the thread itself ends the thread
-            handle, issue, args, site = _queue.popleft()
-        if issue is _stop_marker:
-            return False
-        deadline.acting_for(site)
         try:
+            with _lock:
+                if not _queue or (unless is not None and unless.is_set()):
+                    return True
+                if _queue[0][1] is _stop_marker:
+                    if threading.current_thread() is not _thread:
+                        return True  # only the thread itself ends the thread
+                    _queue.popleft()
+                    return False
+                handle, issue, args, site = _queue.popleft()
+            deadline.acting_for(site)
             handle._handle = issue(*args)
         except BaseException as exc:  # (raised by the handle's wait, on the caller's thread)
+            if handle is None:
+                raise
             handle._error = exc
-        finally:
-            deadline.acting_for(None)
-        handle._started.set()
-        with _lock:
-            _outstanding -= 1
-            if not _outstanding:
-                _lock.notify_all()
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)) and threading.current_thread() is not _thread:
+                reraise = exc  # a helper's own interrupt: its caller sees it too, now
+        finally:  # a call taken counts as started whatever happened (an interrupt included)
+            if handle is not None:
+                deadline.acting_for(None)
+                handle._started.set()
+                with _lock:
+                    _outstanding -= 1
+                    if not _outstanding:
+                        _lock.notify_all()
+    if reraise is not None:
+        raise reraise
     return True
 
 

@@ -91,7 +91,10 @@ class ProgressThread:
             polls = 0
             self.polling = True
             while not self._stop:
-                incomplete, held = self._poll()
+                try:
+                    incomplete, held = self._poll()
+                except Exception:  # (a bug: the thread lives on for the next request; the waits
+                    break  # drive MPI themselves)
                 if not incomplete:
                     break
                 if held:
@@ -129,9 +132,16 @@ def started(poll: Callable[[], tuple[bool, bool]]) -> None:
         _mode = progress_mode()
     if _mode == "off":
         return
-    if _thread is None:
-        _thread = ProgressThread(poll, poll_interval())
-    _thread.kick()
+    thread = _thread
+    if thread is None:
+        with _starting:  # the main thread and the issue thread both start requests
+            if _thread is None:
+                _thread = ProgressThread(poll, poll_interval())
+            thread = _thread
+    thread.kick()
+
+
+_starting = threading.Lock()
 
 
 def set_progress_mode(mode: str) -> None:

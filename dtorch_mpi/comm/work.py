@@ -27,19 +27,24 @@ class _InFlight:
     """A started request and the buffers/datatypes MPI may still touch. Its ``test()`` is the
     only way any thread tests it: under its lock, so the main thread (waiting) and the progress
     thread (comm/progress.py, polling) never test it at once (MPI forbids two threads
-    completing one request), and once complete it is never tested again."""
+    completing one request), and once complete it is never tested again. An error MPI reports
+    as it completes the request is kept (``error``) and raised by the owner's ``wait()`` or
+    ``done()``, on the thread that waits, whichever thread's test met it."""
 
-    __slots__ = ("request", "keep", "complete", "_lock")
+    __slots__ = ("request", "keep", "complete", "error", "polled", "_lock")
 
     def __init__(self, request: MPI.Request, keep: tuple[Any, ...]) -> None:
         self.request = request
         self.keep = keep
         self.complete = False
+        self.error: Exception | None = None
+        self.polled = isinstance(request, MPI.Request)  # the progress thread's (not a GPU event)
         self._lock = Lock()
 
     def test(self, block: bool = True) -> bool:
         """Whether the request has completed (testing it drives MPI's progress engine); with
-        ``block=False``, ``False`` at once where another thread is testing it now."""
+        ``block=False``, ``False`` at once where another thread is testing it now. Never
+        raises: an error completing it is kept in ``error``."""
         if self.complete:
             return True
         if not self._lock.acquire(block):
@@ -47,6 +52,8 @@ class _InFlight:
         try:
             if not self.complete and self.request.Test():
                 self.complete = True
+        except Exception as exc:  # (MPI completed the request with an error: it is null now)
+            self.error, self.complete = exc, True
         finally:
             self._lock.release()
         return self.complete
@@ -55,13 +62,15 @@ class _InFlight:
         return self._lock.locked()
 
     def wait(self, what: str) -> None:
-        """Wait until the request completes (bounded by the deadline). The lock is held
-        throughout, so the progress thread skips it (this thread drives MPI meanwhile) rather
-        than taking turns at it, each turn a thread switch."""
+        """Wait until the request completes (bounded by the deadline), raising the error it
+        completed with. The lock is held throughout, so the progress thread skips it (this
+        thread drives MPI meanwhile) rather than taking turns at it, each turn a thread switch."""
         with self._lock:
             if not self.complete:
                 wait_request(self.request, what)
                 self.complete = True
+        if self.error is not None:
+            raise self.error
 
 
 _IN_FLIGHT: set[_InFlight] = set()
@@ -92,7 +101,7 @@ def _poll_in_flight() -> tuple[bool, bool]:
     thread, which finds it complete."""
     incomplete = held = False
     for entry in list(_IN_FLIGHT):
-        if entry.complete:
+        if entry.complete or not entry.polled:  # (a GPU event: this thread sets no device)
             continue
         if not entry.test(block=False):
             incomplete = True
@@ -186,7 +195,10 @@ class Work:
         self._finished = True
 
     def done(self) -> bool:
-        if not self._finished and self._entry is not None and self._entry.test(block=False):  # a poll never blocks
+        entry = self._entry
+        if not self._finished and entry is not None and entry.test(block=False):  # a poll never blocks
+            if entry.error is not None:
+                self.wait()  # raises it, as wait() would
             self._complete()
         return self._finished
 

@@ -476,6 +476,7 @@ def _start_reduce(layout: _Layout, g: DTensor, target: tuple[Placement, ...]) ->
     plan = compile_plan(spec, target)
     steps = plan.steps
     if len(steps) == 1 and steps[0].kind is StepKind.REDUCE_SCATTER:
+        spec.mesh._check_alive()  # (as a redistribute checks before it starts a collective)
         work = run_compiled_step(steps[0], g.to_local(), plan.xp, backend_for(spec.mesh.device_type), True)
         return work.wait, plan.out_spec
     with no_grad():
