@@ -128,7 +128,8 @@ def main() -> None:
     ap.add_argument("--work-ms", type=float, default=5.0, help="injected compute per layer, forward and backward")
     ap.add_argument("--bucket-mb", type=float, default=2.0)
     ap.add_argument("--kinds", default="offcore,numpy")
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=15,
+                    help="interleaved repeats (7 gave medians that moved as much between runs as the effects)")
     ap.add_argument("--trace", default="")
     ap.add_argument("--load-ms", type=float, default=0.0,
                     help="off-core work at the start of every step (loading the batch), in every plan")
