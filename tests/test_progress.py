@@ -101,7 +101,7 @@ def test_an_error_completing_a_request_on_the_thread_is_raised_by_the_wait(threa
         thread = progress._thread
         assert entry.complete and entry.error is not None, "the progress thread did not complete the request"
         assert thread is not None and thread._thread.is_alive(), "the error ended the progress thread"
-        with pytest.raises(MPI.Exception, match="(?i)trunc"):
+        with pytest.raises(MPI.Exception, match=r"(?i)trunc"):
             handle.wait()
         sent.Wait()
     finally:
