@@ -152,8 +152,9 @@ class _Board:
     MPI library's own memory ordering makes it visible before that data is), so after the data
     completes the words of every rank that sent this rank data are there. A waiting check drives
     MPI's whole progress engine (it tests a receive that nothing matches: testing any incomplete
-    request does, as comm/progress.py's thread does; ``Iprobe`` does not progress collectives): a peer may be waiting for this
-    rank's side of an earlier nonblocking call before it reaches its check.
+    request does, as comm/progress.py's thread does; ``Iprobe`` does not progress
+    collectives): a peer may be waiting for this rank's side of an earlier nonblocking call
+    before it reaches its check.
 
     Why: on one node a check's all-reduce costs about as much as 5 % of a 1 MiB redistribute
     (5 us at 2 ranks), a post and a read cost ~0.3 us (issue 23 item 12). A group across nodes

@@ -179,12 +179,12 @@ def _start_next(unless: threading.Event | None = None) -> bool:
     return True
 
 
-def _help_until(started: threading.Event) -> None:
-    """Start queued calls on this thread, oldest first, until ``started`` is set: a call waited
-    for as soon as it was handed over (fully_shard's first all-gather, the last reduce-scatter
-    of a backward) then pays no wait for the issue thread to wake and get a core (0.6-1.2 ms on
-    a loaded 2-core machine, issue 26)."""
-    while not started.is_set():
+def _help_until(started: threading.Event | None) -> None:
+    """Start queued calls on this thread, oldest first, until ``started`` is set (None: until
+    none is queued): a call waited for as soon as it was handed over (fully_shard's first
+    all-gather, the last reduce-scatter of a backward) then pays no wait for the issue thread
+    to wake and get a core (0.6-1.2 ms on a loaded 2-core machine, issue 26)."""
+    while started is None or not started.is_set():
         with _lock:
             if not _queue or _queue[0][1] is _stop_marker:
                 return  # the thread has taken every call: it sets ``started`` when it is done
@@ -218,8 +218,7 @@ def drain() -> None:
     """Wait until every call handed over has started (before any other call), starting those
     still queued on this thread."""
     if _outstanding and threading.current_thread() is not _thread:
-        while _queue and _queue[0][1] is not _stop_marker:
-            _start_next()
+        _help_until(None)
         with _lock:
             while _outstanding:
                 _lock.wait()
