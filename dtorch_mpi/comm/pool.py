@@ -20,8 +20,8 @@ Bounded by ``DTORCH_BUFFER_POOL_BYTES`` (default 256 MiB, ``0`` turns pooling of
 owners are forgotten first, which never frees one still in use: its users keep it). Small
 buffers bypass the pool (malloc reuses them without page faults, and the pool would only add
 Python time). Emptied by ``DeviceMesh.free()``. CuPy buffers go to CuPy's own caching allocator.
-``detach`` takes a buffer out of the pool for a result that its user keeps and drops step after
-step (fully_shard's gradient shards), so dropping it frees its memory instead of idling it here.
+A result kept from step to step (fully_shard's gradient shards) stays the pool's: dropped by
+``zero_grad``, its owner is idle and the next step's collective writes into it again.
 """
 
 from __future__ import annotations
@@ -69,28 +69,6 @@ def clear() -> None:
     global _held
     _owners.clear()
     _held = 0
-
-
-def detach(view: Any) -> None:
-    """Take the owner of ``view`` (an array :func:`empty` handed out) out of the pool: its
-    memory then lives and dies with its users, as a plain allocation would. For a result that
-    outlives many steps and is dropped between them (fully_shard's gradient shards: kept
-    pooled, each ``zero_grad`` would leave them idle in the pool, held through the next
-    forward). Anything else is left alone."""
-    global _held
-    owner = getattr(view, "base", None)
-    if owner is None:
-        return
-    nbytes = owner.nbytes - PAGE  # the size its bucket is keyed by (see _new_owner)
-    with _lock:
-        bucket = _owners.get(nbytes, [])
-        for i, (o, _) in enumerate(bucket):
-            if o is owner:
-                del bucket[i]
-                _held -= nbytes
-                if not bucket:
-                    del _owners[nbytes]
-                return
 
 
 def _refcounts(bucket: list[Owner]) -> list[int]:
