@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -78,6 +79,33 @@ def test_the_thread_stops_polling_once_the_transfer_completed_though_nobody_wait
         rested = entry.complete and thread is not None and not thread.polling
         assert entry in work._IN_FLIGHT, "the request was reaped, though the main thread made no MPI call"
         assert rested, "the progress thread still polls a completed transfer"
+    check.equal(handle.wait(), full, "the gathered vector")
+
+
+def test_the_thread_drops_the_buffers_of_a_request_it_completed(
+    mesh1d: dt.DeviceMesh, thread_progress: None, check: Checker
+) -> None:
+    """A send buffer nothing but the in-flight request holds is freed by the progress thread
+    when it completes the request, before the owner's wait: freeing a large array hands its
+    memory back to the system (~0.25 ms for 2 MB with glibc), which then happens beside the
+    caller's work rather than inside its wait (issue 26). The result is untouched."""
+    group = Group(mesh1d.get_group(0), 0)
+    m = group.size
+    sizes = split_sizes(ROWS_PER_RANK * m, m)
+    full = np.arange(sum(sizes), dtype=np.float64)
+    start = sum(sizes[: group.rank])
+    send = full[start : start + sizes[group.rank]].copy()
+    sent = weakref.ref(send)
+    out = np.full_like(full, -1.0)
+    handle = BACKEND.all_gather(group, send, out, 0, sizes, async_op=True)
+    del send
+    entry = getattr(handle, "_entry", None)  # None: finished inside the call (one rank)
+    deadline = time.monotonic() + 60
+    while entry is not None and not entry.complete and time.monotonic() < deadline:
+        time.sleep(1e-3)  # no MPI call on this thread: only the progress thread completes it
+    if entry is not None:
+        assert entry.complete, "the progress thread did not complete the request"
+        assert sent() is None, "the completed request still holds its send buffer"
     check.equal(handle.wait(), full, "the gathered vector")
 
 

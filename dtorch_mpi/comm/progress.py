@@ -13,7 +13,8 @@ answers it without progressing.)
 Each request is tested under its own lock (``comm/work.py``), so this thread and the main
 thread, waiting on it, never test it at once (completing one request from two threads is
 erroneous MPI); a request this thread completes is marked so and never tested again, and the
-main thread, finding it complete, releases it. A request that a thread is waiting on (its lock
+main thread, finding it complete, releases it; the buffers it held are dropped by this
+thread at once (``comm/work.py``). A request that a thread is waiting on (its lock
 held for the whole wait, which naps between its tests) is skipped, and the thread then tests
 a receive of its own that nothing matches, so the transfer still advances during those naps.
 The thread never starts or waits on a request,

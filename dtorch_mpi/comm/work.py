@@ -98,12 +98,19 @@ def _poll_in_flight() -> tuple[bool, bool]:
     them); whether any is still incomplete, and whether one of those is being waited on by
     another thread now (its lock held: skipped here, the caller then drives MPI by other means,
     as that wait naps between its tests). A request completed here is reaped by the main
-    thread, which finds it complete."""
+    thread, which finds it complete; its buffers are dropped here at once (MPI is done with
+    them; the result lives on in its handle's finishing step). Dropping the last reference to a
+    large buffer hands its memory back to the system (glibc: an unmap or a heap trim, ~0.25 ms
+    for a 2 MB gradient on this machine, with the GIL held), which on this thread happens
+    beside the computing thread's work rather than inside its wait (fully_shard's step, 4 x 2 MB
+    layers at 2 ranks, A/B in one process: 1.1-1.7 ms less exposed; issue 26)."""
     incomplete = held = False
     for entry in list(_IN_FLIGHT):
         if entry.complete or not entry.polled:  # (a GPU event: this thread sets no device)
             continue
-        if not entry.test(block=False):
+        if entry.test(block=False):
+            entry.keep = ()
+        else:
             incomplete = True
             held = held or entry.being_tested()
     return incomplete, held
