@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 import time
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -309,6 +310,74 @@ def test_a_background_threads_wait_spins_at_most_50_us(monkeypatch: pytest.Monke
     thread.join()
     assert got[0] == BACKGROUND_SPIN == 50e-6 and wait_spin() == 1e3
     assert got[1], "a 10 ms wait on a background thread never slept"
+
+
+def test_a_wait_is_seen_spinning_only_while_it_spins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``someone_spins()`` holds while a wait polls without pause, not once it naps or ends
+    (also by raising); a wait with no spin time never counts."""
+    from dtorch_mpi import settings
+    from dtorch_mpi.comm import deadline
+
+    seen: list[bool] = []
+
+    def done_after(seconds: float) -> Callable[[], bool]:
+        end = time.monotonic() + seconds
+
+        def done() -> bool:
+            seen.append(deadline.someone_spins())
+            return time.monotonic() > end
+        return done
+
+    monkeypatch.setitem(settings._kept, "DTORCH_WAIT_SPIN", 1e9)
+    assert not deadline.someone_spins()
+    deadline.wait_until(done_after(0.002), "a spinning wait")
+    assert seen and all(seen) and not deadline.someone_spins()
+    monkeypatch.setitem(settings._kept, "DTORCH_WAIT_SPIN", 200.0)
+    seen.clear()
+    deadline.wait_until(done_after(0.01), "a wait that naps")
+    assert seen[0] and not seen[-1] and not deadline.someone_spins()
+
+    def fails() -> bool:
+        raise RuntimeError("the request completed with an error")
+    with pytest.raises(RuntimeError):
+        deadline.wait_until(fails, "a failing wait")
+    assert not deadline.someone_spins()
+    monkeypatch.setitem(settings._kept, "DTORCH_WAIT_SPIN", 0.0)
+    seen.clear()
+    deadline.wait_until(done_after(0.001), "a wait without spin")
+    assert not any(seen)
+
+
+@pytest.mark.skipif(MPI.Query_thread() != MPI.THREAD_MULTIPLE, reason="no progress thread below MPI_THREAD_MULTIPLE")
+def test_the_thread_stands_aside_while_a_wait_spins() -> None:
+    """While some wait spins (it drives MPI's progress itself), the progress thread does not
+    poll: each of its wake-ups would be a thread switch taken from the spinning rank. It polls
+    again once the spin ends."""
+    from dtorch_mpi.comm import deadline
+
+    polls = [0]
+
+    def poll() -> tuple[bool, bool]:
+        polls[0] += 1
+        return True, False  # one request, never complete
+
+    thread = progress.ProgressThread(poll, 50e-6)
+    try:
+        deadline._spin_begins()
+        try:
+            thread.kick()
+            time.sleep(0.02)  # (a poll already under way when the spin began may finish)
+            before = polls[0]
+            time.sleep(0.05)
+            during = polls[0] - before
+        finally:
+            deadline._spin_ends()
+        time.sleep(0.05)
+        after = polls[0] - before - during
+    finally:
+        thread.stop()
+    assert during == 0, f"the thread polled {during} times while a wait spun"
+    assert after > 0, "the thread did not poll again once the spin ended"
 
 
 @pytest.mark.parametrize("value", ["-1", "soon", "nan"])
