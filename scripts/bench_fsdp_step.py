@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from benchtools import timed_interleaved
+from benchtools import allocator_environment, timed_interleaved
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -157,10 +157,9 @@ def main() -> None:
         more, note = torch_steps(args.layers, args.hidden, args.batch)
         cases.update(more)
     if WORLD.rank == 0:
-        env = {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD") if k in os.environ}
         print(f"{WORLD.size} ranks, {os.cpu_count()} cores, load before {os.getloadavg()[0]:.2f}; {args.layers} x "
               f"Linear({args.hidden}, {args.hidden}) float64, {args.batch} rows per rank, AdamW, {args.reps} reps; "
-              f"allocator: {env or 'glibc defaults'}; {note}")
+              f"allocator: {allocator_environment()}; {note}")
     med = timed_interleaved(cases, args.reps, WORLD)
     if WORLD.rank == 0:
         for name, t in med.items():

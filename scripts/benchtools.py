@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -9,6 +10,14 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+
+
+def allocator_environment() -> str:
+    """What shapes the process's allocator (``GLIBC_TUNABLES``, ``LD_PRELOAD``): a NumPy step
+    with MB-sized arrays runs up to 2x apart with glibc's defaults and with tuned thresholds
+    (docs/performance.md, "Page faults"), so every step benchmark prints it."""
+    env = {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD") if k in os.environ}
+    return ", ".join(f"{k}={v}" for k, v in env.items()) or "glibc defaults"
 
 
 def timed(fn: Callable[[], Any], reps: int, comm: MPI.Intracomm = MPI.COMM_WORLD, *,
