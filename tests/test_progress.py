@@ -314,7 +314,8 @@ def test_a_background_threads_wait_spins_at_most_50_us(monkeypatch: pytest.Monke
 
 def test_a_wait_is_seen_spinning_only_while_it_spins(monkeypatch: pytest.MonkeyPatch) -> None:
     """``someone_spins()`` holds while a wait polls without pause, not once it naps or ends
-    (also by raising); a wait with no spin time never counts."""
+    (also by raising); a wait with no spin time, or on something whose test drives no MPI
+    progress (a GPU event), never counts."""
     from dtorch_mpi import settings
     from dtorch_mpi.comm import deadline
 
@@ -342,6 +343,9 @@ def test_a_wait_is_seen_spinning_only_while_it_spins(monkeypatch: pytest.MonkeyP
     with pytest.raises(RuntimeError):
         deadline.wait_until(fails, "a failing wait")
     assert not deadline.someone_spins()
+    seen.clear()
+    deadline.wait_until(done_after(0.002), "a wait on a GPU event", drives_mpi=False)
+    assert seen and not any(seen)
     monkeypatch.setitem(settings._kept, "DTORCH_WAIT_SPIN", 0.0)
     seen.clear()
     deadline.wait_until(done_after(0.001), "a wait without spin")

@@ -124,21 +124,24 @@ def watch(poll: Callable[[], None] | None) -> None:
 def wait_request(request: MPI.Request, what: str) -> None:
     """Wait until ``request`` completes, or raise ``CollectiveTimeoutError`` naming ``what``.
     Spins first, then backs off to growing naps (module docstring); polls the watched request
-    meanwhile (:func:`watch`)."""
+    meanwhile (:func:`watch`). (A GPU event stands in for a request too: its test drives no
+    MPI progress.)"""
     if not request.Test():
-        wait_until(request.Test, what)
+        wait_until(request.Test, what, drives_mpi=isinstance(request, MPI.Request))
 
 
-def wait_until(done: Callable[[], bool], what: str) -> None:
+def wait_until(done: Callable[[], bool], what: str, drives_mpi: bool = True) -> None:
     """Poll ``done()`` until it is true, as :func:`wait_request` waits (the same spin, back-off,
     watch and deadline): for a request's ``Test``, or for a condition MPI does not signal (the
-    divergence check's shared-memory board, which then also drives MPI's progress itself)."""
+    divergence check's shared-memory board, which then also drives MPI's progress itself).
+    While it spins it counts as driving MPI's progress (:func:`someone_spins`) if
+    ``drives_mpi``: ``done()`` calls into MPI."""
     limit = collective_timeout()
     spin = wait_spin()
     start = time.monotonic()
     polls = 0
     nap = 0.0
-    spinning = spin > 0 and _spin_begins()
+    spinning = spin > 0 and drives_mpi and _spin_begins()
     try:
         while not done():
             polls += 1
