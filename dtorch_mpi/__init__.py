@@ -4,6 +4,7 @@ A DTensor is one global array whose pieces live on the MPI ranks of a DeviceMesh
 placement per mesh dim: ``Shard(dim)``, ``Replicate()`` or ``Partial(op)``.
 """
 
+from . import heap as _heap
 from . import nn, optim
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autograd import wire as _wire_autograd
@@ -53,6 +54,7 @@ from .visualize import sharding_table, visualize_sharding
 _install_methods(DTensor)  # DTensor methods and operators, derived from the operator declarations
 _wire_autograd(_WIRING)  # backward, hooks and recorded redistributes: dtensor.py does not import autograd
 _WIRING.exported = _exported  # the ufunc table of __array_ufunc__: nor ops
+_heap.tune()  # with DTORCH_MALLOC_TUNING=1, glibc keeps freed MB-sized blocks for the next step (heap.py)
 
 __version__ = "0.1.0"
 

@@ -175,6 +175,13 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DTORCH_COMM_REPORT", "flag (`1` on; unset, empty or `0` off)", "",
             "Count every collective of the script and print the table at exit (rank 0).",
             _on_unless_empty_or_zero, "import", "comm/counter.py"),
+    Setting("DTORCH_MALLOC_TUNING", "flag (`1` on; unset, empty or `0` off)", "",
+            "Opt in: on glibc, set the allocator's mmap threshold to 64 MiB and its trim "
+            "threshold to 256 MiB at import, so MB-sized arrays a step makes anew (gradients, "
+            "MPI's own temporary buffers) reuse freed heap memory instead of faulting in fresh "
+            "pages and unmapping them again; left alone where `GLIBC_TUNABLES` or glibc's "
+            "`MALLOC_MMAP_THRESHOLD_`/`MALLOC_TRIM_THRESHOLD_` chose already.",
+            _on_unless_empty_or_zero, "import", "heap.py"),
 )}
 
 TOOLING: dict[str, str] = {

@@ -13,11 +13,15 @@ from mpi4py import MPI
 
 
 def allocator_environment() -> str:
-    """What shapes the process's allocator (``GLIBC_TUNABLES``, ``LD_PRELOAD``): a NumPy step
-    with MB-sized arrays runs up to 2x apart with glibc's defaults and with tuned thresholds
-    (docs/performance.md, "Page faults"), so every step benchmark prints it."""
+    """What shapes the process's allocator (``GLIBC_TUNABLES``, ``LD_PRELOAD``, the library's
+    opt-in tuning of dtorch_mpi/heap.py): a NumPy step with MB-sized arrays runs up to 2x apart
+    with glibc's defaults and with tuned thresholds (docs/performance.md, "Page faults"), so
+    every step benchmark prints it."""
+    from dtorch_mpi import heap
+
     env = {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD") if k in os.environ}
-    return ", ".join(f"{k}={v}" for k, v in env.items()) or "glibc defaults"
+    shown = ", ".join(f"{k}={v}" for k, v in env.items()) or "glibc defaults"
+    return f"{shown}; DTORCH_MALLOC_TUNING: {heap.state}"
 
 
 def timed(fn: Callable[[], Any], reps: int, comm: MPI.Intracomm = MPI.COMM_WORLD, *,
