@@ -7,9 +7,10 @@ and a blocking call cannot be interrupted. The wait adapts (the classic spin-the
 back-off): for the first ``DTORCH_WAIT_SPIN`` microseconds (default 500) it polls without
 pause, yielding the CPU every 16 polls (``sched_yield``), so a short collective's latency is
 that of a spinning wait (a background thread's wait spins at most 50 µs: :func:`wait_spin`;
-the progress thread stands aside meanwhile: :func:`someone_spins`); after that it sleeps between bursts of 16 polls, the nap doubling from
-20 µs up to 1 ms and never longer than an eighth of the time waited so far (so a wait ends at
-most ~1/8 later than a spinning one would). A rank waiting for a slower peer thus stops
+the progress thread stands aside meanwhile: :func:`someone_spins`); after that it sleeps
+between bursts of 16 polls, the nap doubling from 20 µs up to 1 ms and never longer than an
+eighth of the time waited so far (so a wait ends at most ~1/8 later than a spinning one
+would). A rank waiting for a slower peer thus stops
 burning the core that peer may share with it (oversubscribed runs, shared nodes); MPICH's and
 Open MPI's own blocking waits spin instead. The clock is read once per 16 polls, for the
 deadline and the back-off; with the deadline off the same loop runs without the timeout
