@@ -23,8 +23,13 @@ A thread that waits for a call the issue thread has not taken yet (``Issued.wait
 :func:`drain`) takes and starts the queued calls itself, oldest first, up to its own: taking a
 call and running it is one step under a lock, so the order stays the order of hand-over
 whoever runs them. Such a call is one waited for as soon as it was made (fully_shard's first
-all-gather of a step, the last reduce-scatter of a backward), where the thread would only add
-its wake-up (0.6-1.2 ms on a loaded 2-core machine: the GIL and a core after a submit).
+all-gather of a step), where the thread would only add its wake-up (0.6-1.2 ms on a loaded
+2-core machine: the GIL and a core after a submit). Where the caller knows that it waits next
+(the last reduction of a backward: fully_shard's first unit, replicate's last bucket), it does
+not hand the call over at all (``deferred(beside_work=False)``): even a thread that finds
+nothing left to take has been woken, and takes the GIL and a core from the wait (2 ranks,
+4 x 2 MB layers, off-core compute, A/B: 0.2-0.5 ms a step on one host, ~1 ms for replicate
+across two fake hosts; issue 26).
 
 What a program sees: the same calls, results and divergence errors, but an error found by a
 handed-over call's check (``SPMDDivergenceError``, ``CollectiveTimeoutError``) or its start is
@@ -182,7 +187,7 @@ def _start_next(unless: threading.Event | None = None) -> bool:
 def _help_until(started: threading.Event | None) -> None:
     """Start queued calls on this thread, oldest first, until ``started`` is set (None: until
     none is queued): a call waited for as soon as it was handed over (fully_shard's first
-    all-gather, the last reduce-scatter of a backward) then pays no wait for the issue thread
+    all-gather of a step) then pays no wait for the issue thread
     to wake and get a core (0.6-1.2 ms on a loaded 2-core machine, issue 26)."""
     while started is None or not started.is_set():
         with _lock:
@@ -230,10 +235,16 @@ def deferring() -> bool:
 
 
 @contextlib.contextmanager
-def deferred() -> Iterator[None]:
+def deferred(beside_work: bool = True) -> Iterator[None]:
     """The nonblocking calls made inside may be handed to the issue thread (see the module doc):
-    for the library's overlap paths, whose own waits take the errors."""
+    for the library's overlap paths, whose own waits take the errors. ``beside_work=False``:
+    the caller waits for them next, with no work in between (the last reduction of a
+    backward), so they start on the caller's thread: handed over, the thread's wake-up would
+    only come between the caller and its wait (module doc)."""
     global _deferring
+    if not beside_work:
+        yield
+        return
     _deferring += 1
     try:
         yield

@@ -425,9 +425,19 @@ class _Unit:
             if g is None or not (s.ready or final):
                 continue
             s.gathered.grad = None
-            with deferred():
+            with deferred(beside_work=not (final or self.reduces_last())):
                 group.reducing.append((s, *_start_reduce(s.layout, g, s.sharded.placements)))
         self.reduced = True
+
+    def reduces_last(self) -> bool:
+        """Whether this unit's is the backward's last reduction: no unit before it in the
+        forward order (their backwards run after its) has a parameter that takes a gradient.
+        The end of backward waits for it next, with no compute in between to hide it behind,
+        so it starts on the computing thread (comm/issuer.py, ``deferred``)."""
+        order = self.group.order
+        if self not in order:
+            return False
+        return not any(s.gathered.requires_grad for u in order[:order.index(self)] for s in u.slots)
 
 
 class UnshardHandle:

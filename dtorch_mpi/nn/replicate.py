@@ -122,7 +122,7 @@ class _Replicated:
         self.seen.append(i)
         self.buckets[self.bucket_of[i]].waiting -= 1
         while self.next < len(self.buckets) and self.buckets[self.next].waiting == 0:
-            self.start(self.buckets[self.next])
+            self.start(self.buckets[self.next], last=self.next == len(self.buckets) - 1)
             self.next += 1
         if progress.progress_mode() == "off":  # (else the progress thread advances them during compute)
             for bucket in self.buckets[:self.next]:  # a Test each: MPI progresses, completions are seen early
@@ -130,9 +130,11 @@ class _Replicated:
                     if out is not None:
                         work.done()
 
-    def start(self, bucket: _Bucket) -> None:
+    def start(self, bucket: _Bucket, last: bool = False) -> None:
         """Pack the bucket's gradients that need an all-reduce (one buffer per reduce op and
-        dtype) and start their all-reduces, nonblocking."""
+        dtype) and start their all-reduces, nonblocking; on the computing thread where
+        ``last`` (waited for next, with no compute left to hide behind: comm/issuer.py,
+        ``deferred``), else through the issue thread."""
         bucket.started = True
         runs: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
         for i in bucket.params:
@@ -157,7 +159,7 @@ class _Replicated:
                 flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
                 xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
             on: Group = items[0][1].group
-            with deferred():  # checked and started beside backward's compute (comm/issuer.py)
+            with deferred(beside_work=not last):  # checked and started beside backward's compute (comm/issuer.py)
                 work = backend.all_reduce(on, flat, flat, op, async_op=True)
             bucket.flights.append((items, work, flat))
 
@@ -166,7 +168,7 @@ class _Replicated:
         """Start what waits, in order; wait; set every reduced ``.grad``; fix the layout after
         the first backward (checked across ranks)."""
         for bucket in self.buckets[self.next:]:
-            self.start(bucket)
+            self.start(bucket, last=True)  # (the end of backward: waited for at once)
         self.next = len(self.buckets)
         for bucket in self.buckets:
             self._land(bucket)
