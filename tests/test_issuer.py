@@ -198,6 +198,39 @@ def test_the_last_reduction_of_a_backward_starts_on_the_computing_thread(monkeyp
 
 
 @ranks
+def test_a_root_without_parameters_starts_the_first_units_gather_on_the_computing_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward prefetch is handed to the thread, beside the unit's compute; a root without
+    parameters has none, and its blocks' first unit waits for the gather at once, so it starts
+    inline. Recorded per gather started in forward: which block, and ``issuer.deferring()``."""
+    from dtorch_mpi.nn import fsdp
+
+    mesh = dt.init_device_mesh("cpu", (SIZE,))
+    model = _model("fsdp", mesh, seed=9)
+    blocks = {id(layer): k for k, layer in enumerate(model)}
+    seen: list[tuple[int, bool]] = []
+    start_gather = fsdp._Unit.start_gather
+
+    def recording_start_gather(unit: fsdp._Unit) -> None:
+        if unit.state == "free" and id(unit.module) in blocks:
+            seen.append((blocks[id(unit.module)], issuer.deferring()))
+        start_gather(unit)
+
+    monkeypatch.setattr(fsdp._Unit, "start_gather", recording_start_gather)
+    x = dt.distribute_tensor(np.random.default_rng(8).standard_normal((4 * SIZE, 96)), mesh, [S0])
+    beside = issuer.issue_mode() == "thread"
+    try:
+        with issuer.issuing("thread"):
+            for step in range(3):  # (the first forward has no order to prefetch in yet)
+                seen.clear()
+                loss = F.mse_loss(model(x), x)
+                assert step == 0 or seen == [(0, False), (1, beside), (2, beside)], (step, seen)
+                loss.backward()
+    finally:
+        mesh.free()
+
+
+@ranks
 def test_every_rank_makes_the_same_mpi_calls_on_the_thread_and_inline(mode: str, check: Checker,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """The MPI-call trace (tests/test_mpi_trace.py) of two steps of fully_shard and replicate,

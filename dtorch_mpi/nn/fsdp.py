@@ -351,8 +351,12 @@ class _Unit:
             self.gather()
             after = group.neighbour(self, 1)
             if after is not None:
-                with deferred():  # checked and started beside this unit's compute (comm/issuer.py)
-                    after.start_gather()  # forward prefetch
+                # the forward prefetch, checked and started beside this unit's compute
+                # (comm/issuer.py); a unit without parameters (a root over its blocks) computes
+                # little before the next unit waits for it: started here, it wakes no thread
+                # into that wait's way
+                with deferred(beside_work=bool(self.slots)):
+                    after.start_gather()
             self.expose(True)
             try:
                 out = inner(*args, **kwargs)
