@@ -150,12 +150,27 @@ def test_fully_shard_and_replicate_train_bitwise_alike_on_the_thread_and_inline(
             np.testing.assert_array_equal(a, b)
 
 
+def _sharded_as(layout: str, mesh: dt.DeviceMesh, seed: int) -> nn.Module:
+    """Three Linear(96, 96) layers under fully_shard: every layer a unit under a root without
+    parameters (``blocks``), the last layer left to the root (``head``: its gradients complete
+    first in backward), or every layer a unit and no root (``no root``: a group each)."""
+    dt.manual_seed(seed)
+    model = nn.Sequential(*[nn.Linear(96, 96, device_mesh=mesh, dtype=np.float64) for _ in range(3)])
+    for layer in (model if layout != "head" else model[:2]):
+        dt.fully_shard(layer, mesh=mesh)
+    if layout != "no root":
+        dt.fully_shard(model, mesh=mesh)
+    return model
+
+
 @ranks
 def test_the_last_reduction_of_a_backward_starts_on_the_computing_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every reduction of a backward but its last is handed to the thread; the last, waited for
     at once by the end of backward, is started inline (``deferred(beside_work=False)``): the
-    thread's wake-up would come between it and its wait. Recorded per reduction started:
-    whether it may be handed over now (``issuer.deferring()``)."""
+    thread's wake-up would come between it and its wait. The last is the group's last unit to
+    reduce (a root's own head reduces first); units sharded without a root are groups that know
+    nothing of each other, and never count as last. Recorded per reduction started (a weight's
+    and a bias's each): whether it may be handed over now (``issuer.deferring()``)."""
     import sys
 
     from dtorch_mpi.nn import fsdp
@@ -180,19 +195,17 @@ def test_the_last_reduction_of_a_backward_starts_on_the_computing_thread(monkeyp
     monkeypatch.setattr(fsdp, "_start_reduce", recording_start_reduce)
     monkeypatch.setattr(replicate, "backend_for", lambda kind: RecordingBackend(real_backend_for(kind)))
     mesh = dt.init_device_mesh("cpu", (SIZE,))
+    inline_at_end = {"blocks": 2, "head": 2, "no root": 0, "replicate": 1}  # (replicate: one bucket per parameter)
     try:
         with issuer.issuing("thread"):
-            for plan in ("fsdp", "replicate"):
-                model = _model(plan, mesh, seed=7)
+            beside = issuer.issue_mode() == "thread"  # (debug mode and Open MPI still start them inline)
+            for plan, last in inline_at_end.items():
+                model = _model(plan, mesh, seed=7) if plan == "replicate" else _sharded_as(plan, mesh, seed=7)
                 x = dt.distribute_tensor(np.random.default_rng(8).standard_normal((4 * SIZE, 96)), mesh, [S0])
                 for step in range(2):
                     seen.clear()
                     F.mse_loss(model(x), x).backward()
-                    reductions = 2 * len(model)  # weight and bias each: fsdp's a reduce-scatter per
-                    last = 2 if plan == "fsdp" else 1  # parameter, the first layer's last; replicate's buckets
-                    assert len(seen) == reductions, (plan, step, seen)
-                    beside = issuer.issue_mode() == "thread"  # (debug mode or Open MPI then start them inline still)
-                    assert seen == [beside] * (reductions - last) + [False] * last, (plan, step, seen)
+                    assert seen == [beside] * (6 - last) + [False] * last, (plan, step, seen)
     finally:
         mesh.free()
 
@@ -218,9 +231,9 @@ def test_a_root_without_parameters_starts_the_first_units_gather_on_the_computin
 
     monkeypatch.setattr(fsdp._Unit, "start_gather", recording_start_gather)
     x = dt.distribute_tensor(np.random.default_rng(8).standard_normal((4 * SIZE, 96)), mesh, [S0])
-    beside = issuer.issue_mode() == "thread"
     try:
         with issuer.issuing("thread"):
+            beside = issuer.issue_mode() == "thread"  # (inline still where MPI is below THREAD_MULTIPLE)
             for step in range(3):  # (the first forward has no order to prefetch in yet)
                 seen.clear()
                 loss = F.mse_loss(model(x), x)

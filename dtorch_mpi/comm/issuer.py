@@ -22,11 +22,12 @@ communicators, which only the prologue uses.
 A thread that waits for a call the issue thread has not taken yet (``Issued.wait``, or
 :func:`drain`) takes and starts the queued calls itself, oldest first, up to its own: taking a
 call and running it is one step under a lock, so the order stays the order of hand-over
-whoever runs them. Such a call is one waited for as soon as it was made (fully_shard's first
-all-gather of a step), where the thread would only add its wake-up (0.6-1.2 ms on a loaded
-2-core machine: the GIL and a core after a submit). Where the caller knows that it waits next
-(the last reduction of a backward: fully_shard's first unit, replicate's last bucket), it does
-not hand the call over at all (``deferred(beside_work=False)``): even a thread that finds
+whoever runs them. Such a call is one waited for soon after it was made (a prefetch whose
+unit computes less than the thread takes to wake, an ``unshard(async_op=True)`` waited for at
+once), where the thread would only add its wake-up (0.6-1.2 ms on a loaded 2-core machine: the
+GIL and a core after a submit). Where the caller knows that it waits next (the last reduction
+of a backward: fully_shard's last unit to reduce, replicate's last bucket; a parameterless
+root's prefetch of its first block), it does not hand the call over at all (``deferred(beside_work=False)``): even a thread that finds
 nothing left to take has been woken, and takes the GIL and a core from the wait (2 ranks,
 4 x 2 MB layers, off-core compute, A/B: 0.2-0.5 ms a step on one host, ~1 ms for replicate
 across two fake hosts; issue 26).
@@ -186,9 +187,8 @@ def _start_next(unless: threading.Event | None = None) -> bool:
 
 def _help_until(started: threading.Event | None) -> None:
     """Start queued calls on this thread, oldest first, until ``started`` is set (None: until
-    none is queued): a call waited for as soon as it was handed over (fully_shard's first
-    all-gather of a step) then pays no wait for the issue thread
-    to wake and get a core (0.6-1.2 ms on a loaded 2-core machine, issue 26)."""
+    none is queued): a call waited for soon after it was handed over then pays no wait for the
+    issue thread to wake and get a core (0.6-1.2 ms on a loaded 2-core machine, issue 26)."""
     while started is None or not started.is_set():
         with _lock:
             if not _queue or _queue[0][1] is _stop_marker:
@@ -239,11 +239,16 @@ def deferred(beside_work: bool = True) -> Iterator[None]:
     """The nonblocking calls made inside may be handed to the issue thread (see the module doc):
     for the library's overlap paths, whose own waits take the errors. ``beside_work=False``:
     the caller waits for them next, with no work in between (the last reduction of a
-    backward), so they start on the caller's thread: handed over, the thread's wake-up would
-    only come between the caller and its wait (module doc)."""
+    backward, a parameterless root's prefetch of its first block), so they start on the
+    caller's thread, also inside an outer ``deferred()``: handed over, the thread's wake-up
+    would only come between the caller and its wait (module doc)."""
     global _deferring
     if not beside_work:
-        yield
+        outer, _deferring = _deferring, 0
+        try:
+            yield
+        finally:
+            _deferring = outer
         return
     _deferring += 1
     try:

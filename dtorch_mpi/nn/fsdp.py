@@ -424,24 +424,29 @@ class _Unit:
         ``final``, at the end of backward: every gathered gradient there is)."""
         group = self.group
         group.finish_reductions()  # at most one unit's gradients in flight
+        beside_work = not (final or self.reduces_last())
         for s in self.slots:
             g = s.gathered.grad
             if g is None or not (s.ready or final):
                 continue
             s.gathered.grad = None
-            with deferred(beside_work=not (final or self.reduces_last())):
+            with deferred(beside_work=beside_work):
                 group.reducing.append((s, *_start_reduce(s.layout, g, s.sharded.placements)))
         self.reduced = True
 
+    def trains(self) -> bool:
+        """Whether some parameter of the unit takes a gradient."""
+        return any(s.gathered.requires_grad for s in self.slots)
+
     def reduces_last(self) -> bool:
-        """Whether this unit's is the backward's last reduction: no unit before it in the
-        forward order (their backwards run after its) has a parameter that takes a gradient.
-        The end of backward waits for it next, with no compute in between to hide it behind,
-        so it starts on the computing thread (comm/issuer.py, ``deferred``)."""
-        order = self.group.order
-        if self not in order:
-            return False
-        return not any(s.gathered.requires_grad for u in order[:order.index(self)] for s in u.slots)
+        """Whether this unit's is its backward's last reduction: every other unit of its group
+        that takes a gradient has reduced already (whatever order the backward ran them in:
+        a root's own head completes first). The end of backward waits for it next, with no
+        compute in between to hide it behind, so it starts on the computing thread
+        (comm/issuer.py, ``deferred``). A unit alone in its group (blocks sharded without a
+        root: their groups know nothing of each other) never counts as last."""
+        units = self.group.units
+        return len(units) > 1 and all(u is self or u.reduced or not u.trains() for u in units)
 
 
 class UnshardHandle:
