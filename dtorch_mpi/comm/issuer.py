@@ -27,10 +27,11 @@ unit computes less than the thread takes to wake, an ``unshard(async_op=True)`` 
 once), where the thread would only add its wake-up (0.6-1.2 ms on a loaded 2-core machine: the
 GIL and a core after a submit). Where the caller knows that it waits next (the last reduction
 of a backward: fully_shard's last unit to reduce, replicate's last bucket; a parameterless
-root's prefetch of its first block), it does not hand the call over at all (``deferred(beside_work=False)``): even a thread that finds
-nothing left to take has been woken, and takes the GIL and a core from the wait (2 ranks,
-4 x 2 MB layers, off-core compute, A/B: 0.2-0.5 ms a step on one host, ~1 ms for replicate
-across two fake hosts; issue 26).
+root's prefetch of its first block), it does not hand the call over at all
+(``deferred(beside_work=False)``): even a thread that finds nothing left to take has been
+woken, and takes the GIL and a core from the wait (2 ranks, 4 x 2 MB layers, off-core
+compute, A/B: 0.2-0.5 ms a step on one host, ~1 ms for replicate across two fake hosts;
+issue 26).
 
 What a program sees: the same calls, results and divergence errors, but an error found by a
 handed-over call's check (``SPMDDivergenceError``, ``CollectiveTimeoutError``) or its start is
