@@ -4,6 +4,9 @@ A DTensor is one global array whose pieces live on the MPI ranks of a DeviceMesh
 placement per mesh dim: ``Shard(dim)``, ``Replicate()`` or ``Partial(op)``.
 """
 
+from . import ucx as _ucx  # noqa: F401  (first: it sets UCX_RNDV_THRESH before anything starts MPI)
+
+# isort: split
 from . import heap as _heap
 from . import nn, optim
 from .autograd import enable_grad, is_grad_enabled, no_grad

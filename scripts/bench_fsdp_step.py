@@ -18,9 +18,10 @@ optimizer step. Cases, interleaved repeat by repeat, medians of the slowest rank
 and, where torch is installed (``PYTHONPATH`` may point at it), the same model in PyTorch on
 gloo over the same ranks: ``torch dp`` (DistributedDataParallel) and ``torch fsdp2``
 (``torch.distributed.fsdp.fully_shard``); a case that fails prints how. Prints each case's
-median, its ratio to dp, and the allocator environment (``GLIBC_TUNABLES``, ``LD_PRELOAD``):
+median, its ratio to dp, and the process environment (``GLIBC_TUNABLES``, ``LD_PRELOAD``:
 glibc hands large freed blocks back to the system, so every fresh MB-sized array faults its
-pages again (docs/performance.md, "Page faults").
+pages again, docs/performance.md, "Page faults"; and UCX's rendezvous threshold,
+dtorch_mpi/ucx.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from benchtools import allocator_environment, timed_interleaved
+from benchtools import process_environment, timed_interleaved
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -159,7 +160,7 @@ def main() -> None:
     if WORLD.rank == 0:
         print(f"{WORLD.size} ranks, {os.cpu_count()} cores, load before {os.getloadavg()[0]:.2f}; {args.layers} x "
               f"Linear({args.hidden}, {args.hidden}) float64, {args.batch} rows per rank, AdamW, {args.reps} reps; "
-              f"allocator: {allocator_environment()}; {note}")
+              f"environment: {process_environment()}; {note}")
     med = timed_interleaved(cases, args.reps, WORLD)
     if WORLD.rank == 0:
         for name, t in med.items():

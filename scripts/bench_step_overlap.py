@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from benchtools import allocator_environment, numpy_work, timed_interleaved
+from benchtools import numpy_work, process_environment, timed_interleaved
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -146,7 +146,7 @@ def main() -> None:
               f"{args.work_ms} ms compute per layer per direction, bucket {args.bucket_mb} MB, {args.reps} reps"
               + (f", {args.load_ms} ms load per step" if args.load_ms else "")
               + (", fsdp+unshard starts its first unit's gather before the load" if args.unshard else "")
-              + f"; allocator: {allocator_environment()}")
+              + f"; environment: {process_environment()}")
         print(f"{'kind':>8} {'plan':>12} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
               f"{'step/max':>8}   (ms, medians of the slowest rank)")
     bare = {p: make_step(p, mesh, args.layers, width, lambda: None, bucket) for p in ("compute", "fsdp")}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dtorch_mpi  # noqa: F401  (before mpi4py starts MPI: the import sets UCX_RNDV_THRESH, dtorch_mpi/ucx.py)
+
+# isort: split
 import os
 import statistics
 import time
@@ -12,16 +15,18 @@ import numpy as np
 from mpi4py import MPI
 
 
-def allocator_environment() -> str:
+def process_environment() -> str:
     """What shapes the process's allocator (``GLIBC_TUNABLES``, ``LD_PRELOAD``, the library's
     opt-in tuning of dtorch_mpi/heap.py): a NumPy step with MB-sized arrays runs up to 2x apart
     with glibc's defaults and with tuned thresholds (docs/performance.md, "Page faults"), so
-    every step benchmark prints it."""
-    from dtorch_mpi import heap
+    every step benchmark prints it; with UCX's rendezvous threshold (dtorch_mpi/ucx.py), which
+    decides how fast a collective between hosts finishes beside compute."""
+    from dtorch_mpi import heap, ucx
 
     env = {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD") if k in os.environ}
     shown = ", ".join(f"{k}={v}" for k, v in env.items()) or "glibc defaults"
-    return f"{shown}; DTORCH_MALLOC_TUNING: {heap.state}"
+    rndv = os.environ.get(ucx.VARIABLE, "UCX's own")
+    return f"{shown}; DTORCH_MALLOC_TUNING: {heap.state}; {ucx.VARIABLE}={rndv} ({ucx.state})"
 
 
 def timed(fn: Callable[[], Any], reps: int, comm: MPI.Intracomm = MPI.COMM_WORLD, *,

@@ -74,6 +74,8 @@ def test_defaults_parse_and_the_entry_is_complete(name: str) -> None:
     ("DTORCH_PROGRESS_INTERVAL", "0", "DTORCH_PROGRESS_INTERVAL='0' must be a positive number of microseconds"),
     ("DTORCH_PROGRESS_INTERVAL", "x", "DTORCH_PROGRESS_INTERVAL='x' is not a number of microseconds"),
     ("DTORCH_SEED", "one", "DTORCH_SEED='one' is not an integer"),
+    ("DTORCH_UCX_RNDV_THRESH", "big", "DTORCH_UCX_RNDV_THRESH='big' is not a size such as 256k, 1m or 65536, nor off"),
+    ("DTORCH_UCX_RNDV_THRESH", "2 MB", "DTORCH_UCX_RNDV_THRESH='2 MB' is not a size"),
 ])
 def test_bad_values_are_refused_by_name(name: str, text: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -86,6 +88,9 @@ def test_bad_values_are_refused_by_name(name: str, text: str, message: str) -> N
     ("DTORCH_ABORT_ON_EXCEPTION", "1", True), ("DTORCH_CUDA_AWARE_MPI", "0", False),
     ("DTORCH_COLLECTIVE_TIMEOUT", "2.5", 2.5), ("DTORCH_BUFFER_POOL_BYTES", "0", 0),
     ("DTORCH_PROGRESS_INTERVAL", "10", 10.0), ("DTORCH_SEED", "-3", -3),
+    ("DTORCH_UCX_RNDV_THRESH", "256k", "256k"), ("DTORCH_UCX_RNDV_THRESH", "65536", "65536"),
+    ("DTORCH_UCX_RNDV_THRESH", "1MB", "1MB"), ("DTORCH_UCX_RNDV_THRESH", "Off", None),
+    ("DTORCH_UCX_RNDV_THRESH", "", None),
 ])
 def test_values_parse_as_before(name: str, text: str, want: object) -> None:
     assert settings.parse(name, text) == want
