@@ -6,13 +6,13 @@ Up to UCX's rendezvous threshold, which it sets by itself to ~3 MB over TCP, a m
 MPI polls the socket. Above it, the receiver is told where the data goes and the data streams
 in. A blocking call polls all the time, so the two cost the same there. A collective that runs
 beside compute is polled only every so often, by the progress thread (comm/progress.py). Then a
-2 MB message waits for ~30 polls and takes 3x as long: raw mpi4py between two fake hosts,
-polled every 50 µs, a 2 MB point-to-point exchange took 6.4-6.5 ms against 2.1 blocking; with
-the threshold at 256 KiB it took 2.4. A 2 MB ``Iallreduce`` took 6.8 ms against 3.5 at 256 KiB.
-Messages of 8 MB and more, rendezvous either way, kept their times. Blocking calls moved by no
-more than noise. Raising the fragment size (``UCX_TCP_RX_SEG_SIZE``) instead helped 2 MB too,
-but it raises UCX's own threshold with it: a polled 24 MB all-reduce went from 24 to 38 ms
-(docs/performance.md, "Across two hosts").
+2 MB message waits for ~30 polls and takes 3x as long. Raw mpi4py between two fake hosts,
+polled every 50 µs (scripts/bench_polled.py): a 2 MB exchange took 6.1-6.2 ms (1.7-1.8
+blocking), and 2.1-2.4 with the threshold at 256 KiB; a 2 MB all-reduce took 6.4-6.9 ms, and
+3.2-3.3. Messages of 8 MB and more, rendezvous either way, kept their times. Blocking calls
+moved by no more than noise. Raising the fragment size (``UCX_TCP_RX_SEG_SIZE``) instead
+helped 2 MB too, but it raises UCX's own threshold with it: a polled 24 MB all-reduce went from
+24 to 38 ms (docs/performance.md, "Polled transfers between hosts").
 
 So, at import, the library sets ``UCX_RNDV_THRESH`` (``DTORCH_UCX_RNDV_THRESH``, default
 256 KiB: UCX's own threshold for the calls it knows will be waited on at once), before MPI
@@ -27,8 +27,8 @@ starts and reads it. It is left alone:
   in the launch (``mpiexec -genv UCX_RNDV_THRESH 256k``);
 - with ``DTORCH_UCX_RNDV_THRESH=off``.
 
-Without an RDMA device, UCX within one host goes through MPICH's own shared memory, so this
-changes only the messages sent between hosts over TCP. The variable is inert where the MPI
+Within one host MPICH's own shared memory carries the messages, not UCX, so without an RDMA
+device this changes only the messages sent between hosts over TCP. The variable is inert where the MPI
 does not use UCX (MPICH's ofi device; Open MPI without UCX).
 
 This module must be imported before anything imports ``mpi4py.MPI``: ``dtorch_mpi/__init__.py``
