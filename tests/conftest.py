@@ -8,6 +8,9 @@ then ends the others; every mpiexec run is bounded by scripts/run_tests.py.
 
 from __future__ import annotations
 
+import dtorch_mpi as dt  # first, as a user's program would: its import chooses UCX's threshold (dtorch_mpi/ucx.py)
+
+# isort: split
 import os
 import shutil
 import sys
@@ -19,7 +22,6 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import dtorch_mpi as dt
 from dtorch_mpi.comm.deadline import allgather_bytes
 
 WORLD = MPI.COMM_WORLD
