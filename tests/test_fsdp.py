@@ -744,6 +744,50 @@ def test_unshard_gathers_ahead_of_the_forward_without_a_second_gather(mesh1d: dt
     check.done()
 
 
+def _after_a_change(mesh: dt.DeviceMesh, change: str, unshard: str) -> tuple[np.ndarray, list[str]]:
+    """The forward after one training step and a change of the shards (``step``: the
+    optimizer's; ``load``: ``load_state_dict`` of another model's values), with ``a`` unsharded
+    (``async`` / ``sync``) before the change, or not at all (``""``); and the collectives that
+    forward ran."""
+    dt.manual_seed(0)
+    model = Tower(5, mesh)
+    _shard_all(model, mesh, True, ("a", "b"))
+    dt.manual_seed(1)
+    other = Tower(5, mesh)
+    _shard_all(other, mesh, True, ("a", "b"))
+    opt = dt.optim.SGD(model.parameters(), lr=0.5)
+    rng = np.random.default_rng(0)
+    x = dt.distribute_tensor(rng.standard_normal((6, 4)), mesh, [S0])
+    y = dt.distribute_tensor(rng.standard_normal((6, 3)), mesh, [S0])
+    F.mse_loss(model(x), y).backward()
+    if change == "load":
+        opt.step()
+    handle = model.a.unshard(async_op=unshard == "async") if unshard else None
+    if change == "step":
+        opt.step()
+    else:
+        model.load_state_dict(other.state_dict())
+    if handle is not None:
+        handle.wait()
+    with dt.CommCounter() as moved:
+        out = model(x)
+    return to_numpy(out.to_torch()), [r.kind for r in moved.records]
+
+
+@pytest.mark.parametrize("change", ["step", "load"])
+def test_a_unit_unsharded_before_its_shards_change_gathers_them_again(mesh1d: dt.DeviceMesh, change: str,
+                                                                       check: Checker) -> None:
+    """``unshard()`` before ``optimizer.step()`` or ``load_state_dict``: the gathered values are
+    the old ones, so the forward gathers again (it used them, silently, before) and computes
+    what it computes without the ``unshard``, with the same collectives."""
+    want, want_calls = _after_a_change(mesh1d, change, "")
+    for how in ("async", "sync"):
+        out, calls = _after_a_change(mesh1d, change, how)
+        check.equal(out, want, f"{change} after unshard ({how}): the forward's output", exact=True)
+        check.true(calls == want_calls, f"{change} after unshard ({how}): collectives {calls} against {want_calls}")
+    check.done()
+
+
 def test_reshard_frees_an_unsharded_unit(mesh1d: dt.DeviceMesh, check: Checker) -> None:
     dt.manual_seed(0)
     model = Tower(5, mesh1d)

@@ -60,6 +60,7 @@ import numpy as np
 
 from ..autograd.accumulate import accumulate
 from ..autograd.graph import BackwardJoin, current_backward, register_hook, register_post_accumulate_grad_hook
+from ..autograd.record import version_of
 from ..comm import backend_for, pool
 from ..comm.issuer import deferred
 from ..dtensor import DTensor
@@ -276,6 +277,7 @@ class _Unit:
         self.group = _Group(units=[self])
         self.state = "free"  # free | pending | gathered
         self.pending: list[Callable[[], Any]] = []
+        self.gathered_versions: tuple[int, ...] = ()  # the shards' versions the gather read
         self.reduced = False
         self.sync_gradients = True  # False: backward keeps the gathered gradients, unreduced
         self.serial = next(_SERIALS)  # creation order, the same on every rank
@@ -294,10 +296,26 @@ class _Unit:
             for s, view in zip(self.slots, self.buffer.views):
                 s.gathered._replace(view, s.gathered.spec)
         self.pending = [_start_gather(s.sharded, view) for s, view in zip(self.slots, self.buffer.views)]
+        self.gathered_versions = self.shard_versions()
         self.state = "pending"
 
+    def shard_versions(self) -> tuple[int, ...]:
+        """How many times each sharded parameter was changed in place (optimizer steps,
+        ``load_state_dict``, in-place ops): a gather started before a change holds old values."""
+        return tuple(version_of(s.sharded) for s in self.slots)
+
+    def drop_if_stale(self) -> None:
+        """Forget a gather started before the shards last changed: ``unshard()`` before
+        ``optimizer.step()`` or ``load_state_dict``, or a prefetch a failed forward left
+        behind. Its values are the old ones, so the forward gathers again. The shards change
+        on every rank alike (SPMD), so every rank gathers again."""
+        if self.state != "free" and self.shard_versions() != self.gathered_versions:
+            self.finish_pending()
+            self.state = "free"  # the buffer stays: the next gather writes into it
+
     def gather(self) -> None:
-        """Make the gathered parameters hold the current values (waiting as needed)."""
+        """Make the gathered parameters hold the values gathered last, or started (waiting as
+        needed), or the current values when there are none."""
         self.start_gather()
         if self.state == "pending":
             for finish in self.pending:
@@ -309,9 +327,10 @@ class _Unit:
         """Gather the unit's parameters now, so its next forward (or backward) does not wait
         for them (FSDP2's ``unshard``): with ``async_op`` the all-gather is started and the
         handle's ``wait()`` finishes it; without, it is finished here. Collective: every rank
-        of the mesh calls it. Call it after ``optimizer.step()`` (it gathers the values the
-        shards hold now), e.g. to overlap the first unit's all-gather with loading the next
-        batch; the module's attributes stay the shards until its forward."""
+        of the mesh calls it. Call it after ``optimizer.step()``: it gathers the values the
+        shards hold now, and should they change before the forward, the forward gathers
+        again (``drop_if_stale``). For example, overlap the first unit's all-gather with
+        loading the next batch. The module's attributes stay the shards until its forward."""
         if not async_op:
             self.gather()
             return None
@@ -319,12 +338,16 @@ class _Unit:
             self.start_gather()
         return UnshardHandle(self)
 
-    def free(self) -> None:
-        self.expose(False)  # the module computes on the sharded parameters again (see _pre_backward)
+    def finish_pending(self) -> None:
+        """Complete a started gather whose values nobody will use: its collective still runs."""
         if self.state == "pending":
             for finish in self.pending:
-                finish()  # a prefetch nobody used: its collective still completes
+                finish()
             self.pending = []
+
+    def free(self) -> None:
+        self.expose(False)  # the module computes on the sharded parameters again (see _pre_backward)
+        self.finish_pending()  # a prefetch nobody used
         self.buffer.release()
         if not self.buffer.views:  # a device buffer was dropped: so must the references to it
             for s in self.slots:
@@ -348,6 +371,7 @@ class _Unit:
         if self not in group.current:
             group.current.append(self)
         try:
+            self.drop_if_stale()
             self.gather()
             after = group.neighbour(self, 1)
             if after is not None:
