@@ -31,6 +31,9 @@ Within one host MPICH's own shared memory carries the messages, not UCX, so with
 device this changes only the messages sent between hosts over TCP. The variable is inert where the MPI
 does not use UCX (MPICH's ofi device; Open MPI without UCX).
 
+The variable is set in ``os.environ``, so programs this process starts inherit it, as they
+would a value set in the launch.
+
 This module must be imported before anything imports ``mpi4py.MPI``: ``dtorch_mpi/__init__.py``
 imports it first.
 """
