@@ -15,8 +15,8 @@ helped 2 MB too, but it raises UCX's own threshold with it: a polled 24 MB all-r
 24 to 38 ms (docs/performance.md, "Polled transfers between hosts").
 
 So, at import, the library sets ``UCX_RNDV_THRESH`` (``DTORCH_UCX_RNDV_THRESH``, default
-256 KiB: UCX's own threshold for the calls it knows will be waited on at once), before MPI
-starts and reads it. It is left alone:
+256 KiB, the threshold UCX itself picks over TCP for sends marked to complete fast), before
+MPI starts and reads it. It is left alone:
 
 - where the process chose (``UCX_RNDV_THRESH`` set);
 - where the host has an RDMA device (``/sys/class/infiniband``: InfiniBand, RoCE, EFA,
@@ -28,8 +28,8 @@ starts and reads it. It is left alone:
 - with ``DTORCH_UCX_RNDV_THRESH=off``.
 
 Within one host MPICH's own shared memory carries the messages, not UCX, so without an RDMA
-device this changes only the messages sent between hosts over TCP. The variable is inert where the MPI
-does not use UCX (MPICH's ofi device; Open MPI without UCX).
+device this changes only the messages sent between hosts over TCP. The variable is inert where
+the MPI does not use UCX (MPICH's ofi device; Open MPI without UCX).
 
 The variable is set in ``os.environ``, so programs this process starts inherit it, as they
 would a value set in the launch.
