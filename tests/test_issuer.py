@@ -105,6 +105,58 @@ def test_a_divergent_deferred_call_raises_at_its_wait_on_every_rank(mesh: dt.Dev
     np.testing.assert_array_equal(again.to_local(), np.ones((ROWS, COLS)))
 
 
+class _Experts(nn.Module):
+    """Two experts of one shape after a shared layer, without biases: every weight is 128 KiB of
+    float64, so the default check covers each collective, and no call of the divergent step
+    starts unchecked (a lone one would wait at exit for its partner until the deadline).
+    ``route`` names the experts that run."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.shared = nn.Linear(64, 256, bias=False, device_mesh=mesh, dtype=np.float64)
+        self.c = nn.Linear(256, 64, bias=False, device_mesh=mesh, dtype=np.float64)
+        self.d = nn.Linear(256, 64, bias=False, device_mesh=mesh, dtype=np.float64)
+        self.route = "cd"
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        h = self.shared(x)
+        outs = [getattr(self, name)(h) for name in self.route]
+        return outs[0] + outs[1] if len(outs) == 2 else outs[0]
+
+
+@ranks
+@pytest.mark.parametrize("plan", ["fsdp", "replicate"])
+def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: dt.DeviceMesh, mode: str,
+                                                                          plan: str) -> None:
+    """Rank 0 routes to expert ``c``, the others to ``d``, of equal shapes, after a step where
+    every rank ran both (the bucket layout fixed). The collectives pair up by shape alone, so
+    before the check compared what they carry, every rank finished with the other expert's
+    shards (fully_shard's all-gather) or its gradient summed into its own (replicate's bucket).
+    Now every rank raises SPMDDivergenceError naming both, promptly: a rank whose handed-over
+    call found it raises it at its next checked call, rather than waiting there for ranks that
+    have left until the collective deadline."""
+    dt.manual_seed(0)
+    model = _Experts(mesh)
+    if plan == "fsdp":
+        for name in ("shared", "c", "d"):
+            dt.fully_shard(model.get_submodule(name), mesh=mesh)
+        dt.fully_shard(model, mesh=mesh)
+    else:
+        dt.replicate(model, mesh=mesh, bucket_bytes=0)
+    x = dt.distribute_tensor(np.random.default_rng(0).standard_normal((2 * SIZE, 64)), mesh, [S0])
+    (model(x) ** 2).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    model.route = "c" if RANK == 0 else "d"
+    with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+        (model(x) ** 2).sum().backward()
+    text = str(err.value)
+    if plan == "fsdp":
+        assert "all-gather of weight in fully_shard unit" in text, text
+    else:
+        assert "replicate bucket of c.weight" in text and "replicate bucket of d.weight" in text, text
+
+
 def _model(plan: str, mesh: dt.DeviceMesh, seed: int) -> nn.Module:
     """Three Linear(96, 96) float64 layers (72 KiB each: every call checked) under ``plan``:
     fully_shard per layer and on the root, or replicate with one bucket per layer."""

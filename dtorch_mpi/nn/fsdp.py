@@ -62,6 +62,7 @@ from ..autograd.accumulate import accumulate
 from ..autograd.graph import BackwardJoin, current_backward, register_hook, register_post_accumulate_grad_hook
 from ..autograd.record import version_of
 from ..comm import backend_for, pool
+from ..comm.divergence import call_context
 from ..comm.issuer import deferred
 from ..dtensor import DTensor
 from ..errors import MeshMismatchError, PlacementError
@@ -118,6 +119,7 @@ class _Slot:
     gathered: Parameter
     owners: list[tuple[Module, str]]
     layout: _Layout
+    name: str = ""  # its name in the module fully_shard was applied to
     ready: bool = False  # its gathered gradient is complete in this backward
 
 
@@ -295,9 +297,20 @@ class _Unit:
         if self.buffer.ensure():  # a device buffer made anew: the gathered parameters point at it
             for s, view in zip(self.slots, self.buffer.views):
                 s.gathered._replace(view, s.gathered.spec)
-        self.pending = [_start_gather(s.sharded, view) for s, view in zip(self.slots, self.buffer.views)]
+        self.pending = []
+        for s, view in zip(self.slots, self.buffer.views):
+            with call_context(self.describe(s, "all-gather")):
+                self.pending.append(_start_gather(s.sharded, view))
         self.gathered_versions = self.shard_versions()
         self.state = "pending"
+
+    def describe(self, slot: _Slot, what: str) -> Callable[[], str]:
+        """The text the divergence check compares for a collective of ``slot`` (evaluated only
+        when a check runs): ranks whose forwards reached different units of equal shapes (an
+        expert each) get an error, not each other's shards. Units are numbered in creation
+        order, the same on every rank."""
+        unit = f"fully_shard unit #{self.serial} ({type(self.module).__name__})"
+        return lambda: f"{what} of {slot.name} in {unit}"
 
     def shard_versions(self) -> tuple[int, ...]:
         """How many times each sharded parameter was changed in place (optimizer steps,
@@ -454,7 +467,7 @@ class _Unit:
             if g is None or not (s.ready or final):
                 continue
             s.gathered.grad = None
-            with deferred(beside_work=beside_work):
+            with deferred(beside_work=beside_work), call_context(self.describe(s, "reduce-scatter")):
                 group.reducing.append((s, *_start_reduce(s.layout, g, s.sharded.placements)))
         self.reduced = True
 
@@ -562,7 +575,8 @@ def _claim(module: Module, mesh: DeviceMesh) -> tuple[list[_Slot], list[_Unit]]:
             if id(p) in claimed:
                 continue
             if id(p) not in slots:
-                slots[id(p)] = _Slot(p, p, [], _layout(f"{mod_name}.{name}" if mod_name else name, p, mesh))
+                path = f"{mod_name}.{name}" if mod_name else name
+                slots[id(p)] = _Slot(p, p, [], _layout(path, p, mesh), path)
             slots[id(p)].owners.append((m, name))
     return list(slots.values()), inner
 

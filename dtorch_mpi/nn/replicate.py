@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..autograd.graph import BackwardJoin, register_post_accumulate_grad_hook
 from ..comm import Group, backend_for, pool, progress
+from ..comm.divergence import call_context
 from ..comm.issuer import deferred
 from ..dtensor import DTensor
 from ..errors import PlacementError
@@ -88,8 +89,10 @@ def _cut(order: list[int], params: list[Parameter], bucket_bytes: int) -> list[_
 class _Replicated:
     """The bucket layout and the running backward's reduction state of one module."""
 
-    def __init__(self, module: Module, mesh: DeviceMesh, params: list[Parameter], bucket_bytes: int) -> None:
+    def __init__(self, module: Module, mesh: DeviceMesh, params: list[Parameter], bucket_bytes: int,
+                 names: list[str]) -> None:
         self.module, self.mesh, self.params, self.bucket_bytes = module, mesh, params, bucket_bytes
+        self.names = names  # each parameter's name in the module (what the divergence check shows)
         self.fixed = False  # the layout follows an observed order checked across ranks
         self.buckets = _cut(list(range(len(params)))[::-1], params, bucket_bytes)
         self.bucket_of = self._index()
@@ -159,9 +162,18 @@ class _Replicated:
                 flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
                 xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
             on: Group = items[0][1].group
-            with deferred(beside_work=not last):  # checked and started beside backward's compute (comm/issuer.py)
+            # the check compares which gradients the bucket holds: ranks whose forwards used
+            # different parameters of equal shapes (an expert each) get an error, not a sum of
+            # each other's gradients
+            with call_context(self._describe(items)), deferred(beside_work=not last):
                 work = backend.all_reduce(on, flat, flat, op, async_op=True)
             bucket.flights.append((items, work, flat))
+
+    def _describe(self, items: list[tuple[int, Any]]) -> Callable[[], str]:
+        """The text the divergence check compares for a packed bucket (evaluated only when a
+        check runs): the gradients it holds, by name, in order."""
+        names = [self.names[i] for i, _ in items]
+        return lambda: f"replicate bucket of {', '.join(names)}"
 
     # --- backward finished ----------------------------------------------------------------
     def finish(self) -> None:
@@ -237,12 +249,13 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
     if "_fsdp_unit" in module.__dict__:
         raise ValueError("replicate: this module is fully_shard-ed; use one data-parallel wrapper")
     params = [p for p in module.parameters() if p.requires_grad]
+    names = {id(p): name for name, p in module.named_parameters()}
     for name, p in module.named_parameters():
         if p.device_mesh != mesh or p.placements != (Replicate(),):
             raise PlacementError(
                 f"replicate: parameter {name} is placed {list(p.placements)} on {p.device_mesh!r}; replicate "
                 f"takes parameters Replicate on the mesh given ({mesh!r}): build the module on that mesh")
-    state = _Replicated(module, mesh, params, bucket_bytes)
+    state = _Replicated(module, mesh, params, bucket_bytes, [names[id(p)] for p in params])
     for i, p in enumerate(params):
         register_post_accumulate_grad_hook(p, _on_grad_complete(state, i))
     object.__setattr__(module, "_replicate_state", state)
