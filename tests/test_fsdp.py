@@ -744,11 +744,13 @@ def test_unshard_gathers_ahead_of_the_forward_without_a_second_gather(mesh1d: dt
     check.done()
 
 
-def _after_a_change(mesh: dt.DeviceMesh, change: str, unshard: str) -> tuple[np.ndarray, list[str]]:
+def _after_a_change(mesh: dt.DeviceMesh, change: str, unshard: str, path: str,
+                    again: bool = False) -> tuple[np.ndarray, list[str]]:
     """The forward after one training step and a change of the shards (``step``: the
-    optimizer's; ``load``: ``load_state_dict`` of another model's values), with ``a`` unsharded
-    (``async`` / ``sync``) before the change, or not at all (``""``); and the collectives that
-    forward ran."""
+    optimizer's; ``load``: ``load_state_dict`` of another model's values; ``checkpoint``:
+    ``dt.load`` of them from ``path``), with ``a`` unsharded (``async`` / ``sync``) before the
+    change, or not at all (``""``), and with ``again`` once more after it; and the collectives
+    that forward ran."""
     dt.manual_seed(0)
     model = Tower(5, mesh)
     _shard_all(model, mesh, True, ("a", "b"))
@@ -760,13 +762,18 @@ def _after_a_change(mesh: dt.DeviceMesh, change: str, unshard: str) -> tuple[np.
     x = dt.distribute_tensor(rng.standard_normal((6, 4)), mesh, [S0])
     y = dt.distribute_tensor(rng.standard_normal((6, 3)), mesh, [S0])
     F.mse_loss(model(x), y).backward()
-    if change == "load":
+    if change != "step":
         opt.step()
+        dt.save({"model": other}, path)
     handle = model.a.unshard(async_op=unshard == "async") if unshard else None
     if change == "step":
         opt.step()
-    else:
+    elif change == "load":
         model.load_state_dict(other.state_dict())
+    else:
+        dt.load(path, {"model": model})
+    if again:
+        handle = model.a.unshard(async_op=unshard == "async")
     if handle is not None:
         handle.wait()
     with dt.CommCounter() as moved:
@@ -774,17 +781,23 @@ def _after_a_change(mesh: dt.DeviceMesh, change: str, unshard: str) -> tuple[np.
     return to_numpy(out.to_torch()), [r.kind for r in moved.records]
 
 
-@pytest.mark.parametrize("change", ["step", "load"])
+@pytest.mark.parametrize("change", ["step", "load", "checkpoint"])
 def test_a_unit_unsharded_before_its_shards_change_gathers_them_again(mesh1d: dt.DeviceMesh, change: str,
-                                                                       check: Checker) -> None:
-    """``unshard()`` before ``optimizer.step()`` or ``load_state_dict``: the gathered values are
-    the old ones, so the forward gathers again (it used them, silently, before) and computes
-    what it computes without the ``unshard``, with the same collectives."""
-    want, want_calls = _after_a_change(mesh1d, change, "")
+                                                                       shared_dir: str, check: Checker) -> None:
+    """``unshard()`` before ``optimizer.step()``, ``load_state_dict`` or ``dt.load``: the
+    gathered values are the old ones, so the forward gathers again (it used them, silently,
+    before) and computes what it computes without the ``unshard``, with the same collectives;
+    an ``unshard()`` after the change gathers again there, so the forward gathers nothing."""
+    path = os.path.join(shared_dir, "other.h5")
+    want, want_calls = _after_a_change(mesh1d, change, "", path)
     for how in ("async", "sync"):
-        out, calls = _after_a_change(mesh1d, change, how)
+        out, calls = _after_a_change(mesh1d, change, how, path)
         check.equal(out, want, f"{change} after unshard ({how}): the forward's output", exact=True)
         check.true(calls == want_calls, f"{change} after unshard ({how}): collectives {calls} against {want_calls}")
+        out, calls = _after_a_change(mesh1d, change, how, path, again=True)
+        check.equal(out, want, f"{change} between two unshards ({how}): the forward's output", exact=True)
+        check.true(len(calls) < len(want_calls) or not want_calls,  # (one rank: nothing is communicated)
+                   f"{change} between two unshards ({how}): the forward gathered again: {calls}")
     check.done()
 
 

@@ -33,6 +33,13 @@ def version_of(t: "DTensor") -> int:
     return getattr(t, "_version", 0)
 
 
+def mark_changed(t: "DTensor") -> None:
+    """``t``'s values were changed in place (an in-place operator, an optimizer step, a load),
+    as PyTorch's version counter counts it: a backward through a graph that saved the old value
+    refuses, and fully_shard gathers again what it gathered before."""
+    t._version = version_of(t) + 1  # type: ignore[attr-defined]
+
+
 def differentiable(t: Any) -> bool:
     """A DTensor operand that requires grad and has a floating dtype."""
     return isinstance(t, DTensor) and t._requires_grad and t.dtype.kind in "fc"

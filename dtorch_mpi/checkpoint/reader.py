@@ -48,6 +48,7 @@ from mpi4py import MPI
 
 from .._mpi import library_world
 from ..arrays import array_namespace
+from ..autograd.record import mark_changed
 from ..comm.deadline import wait_request
 from ..dtypes import identity_value
 from ..errors import CheckpointError
@@ -326,6 +327,7 @@ def _commit(param: Any, piece: Any) -> None:
         param._local = piece
     else:
         param._local[...] = piece
+    mark_changed(param)  # as PyTorch's copy_ counts it
 
 
 def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> None:
@@ -343,5 +345,7 @@ def _stream_into(param: Any, ds: Any, first: list[int], path: str, key: str) -> 
                                   f"(staging='chunks' reads twice); the target is partly loaded")
         where = tuple(slice(o - b, o - b + s) for o, b, s in zip(off, block[0], raw.shape))
         target[where] = xp.asarray(raw.astype(param.dtype, copy=False))
-    if not direct:
+    if direct:
+        mark_changed(param)
+    else:
         _commit(param, target)

@@ -53,7 +53,6 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import settings
-from ..errors import SPMDDivergenceError
 from . import deadline
 
 MODES = settings.ISSUE_MODES
@@ -109,7 +108,6 @@ class Issued:
             _help_until(self._started)
         self._started.wait()  # bounded: the check is under the collective deadline, the start is nonblocking
         if self._error is not None:
-            _seen(self._error)
             raise self._error
         while _outstanding and not self._handle.done():
             _yield_to_thread()
@@ -123,7 +121,6 @@ _thread: threading.Thread | None = None
 _deferring = 0  # depth of deferred() on the main thread
 issued = 0
 """Calls handed to the thread so far in this process (tests and benchmarks read it)."""
-_diverged: SPMDDivergenceError | None = None  # a handed-over call's check found the ranks apart
 
 
 def _yield_to_thread() -> None:
@@ -174,9 +171,6 @@ def _start_next(unless: threading.Event | None = None) -> bool:
             if handle is None:
                 raise
             handle._error = exc
-            if isinstance(exc, SPMDDivergenceError):
-                global _diverged
-                _diverged = exc  # the next checked call raises it too (raise_divergence)
             if isinstance(exc, (KeyboardInterrupt, SystemExit)) and threading.current_thread() is not _thread:
                 reraise = exc  # a helper's own interrupt: its caller sees it too, now
         finally:  # a call taken counts as started whatever happened (an interrupt included)
@@ -234,26 +228,6 @@ def drain() -> None:
         with _lock:
             while _outstanding:
                 _lock.wait()
-
-
-def raise_divergence() -> None:
-    """Raise what a handed-over call's check found, once, before the caller starts another
-    checked call. Every rank of that call's group got the same verdict and leaves the program's
-    path there. A rank that started a further checked call first would otherwise wait in its
-    check for ranks that never come, until the collective deadline. The call's own handle still
-    raises it when waited for."""
-    global _diverged
-    found = _diverged
-    if found is not None and threading.current_thread() is not _thread:
-        _diverged = None
-        raise found
-
-
-def _seen(error: BaseException) -> None:
-    """The program got ``error`` from its call's handle: no later call raises it again."""
-    global _diverged
-    if _diverged is error:
-        _diverged = None
 
 
 def deferring() -> bool:

@@ -219,8 +219,6 @@ class Prologued:
                 defer = async_op and default and self.overlaps and not (debug or empty) and issuer.deferring()
                 if issuer._outstanding and not defer:  # (after every call handed to the issue thread)
                     issuer.drain()
-                if issuer._diverged is not None:  # a call handed over found the ranks apart: this one would wait
-                    issuer.raise_divergence()  # for ranks that left (issuer.py)
                 if default and self.overlaps:
                     assert twin is not None
                     moves = twin.data_group(group)

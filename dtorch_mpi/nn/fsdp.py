@@ -283,6 +283,7 @@ class _Unit:
         self.reduced = False
         self.sync_gradients = True  # False: backward keeps the gathered gradients, unreduced
         self.serial = next(_SERIALS)  # creation order, the same on every rank
+        self.path = ""  # the module's name under the root that claimed it ("" for a root)
 
     def holds_gradients(self) -> bool:
         """Whether some gathered parameter still has a gradient (not yet reduce-scattered)."""
@@ -307,10 +308,12 @@ class _Unit:
     def describe(self, slot: _Slot, what: str) -> Callable[[], str]:
         """The text the divergence check compares for a collective of ``slot`` (evaluated only
         when a check runs): ranks whose forwards reached different units of equal shapes (an
-        expert each) get an error, not each other's shards. Units are numbered in creation
-        order, the same on every rank."""
-        unit = f"fully_shard unit #{self.serial} ({type(self.module).__name__})"
-        return lambda: f"{what} of {slot.name} in {unit}"
+        expert each) get an error, not each other's shards. A unit is named by its module's
+        path under its root, which the same program gives alike on every rank (a counter of
+        units made would not: a rank may shard a model of its own). Blocks sharded without a
+        root have no path, only their class."""
+        name = f"{self.path}.{slot.name}" if self.path else slot.name
+        return lambda: f"{what} of {name} (fully_shard unit {type(self.module).__name__})"
 
     def shard_versions(self) -> tuple[int, ...]:
         """How many times each sharded parameter was changed in place (optimizer steps,
@@ -344,6 +347,7 @@ class _Unit:
         shards hold now, and should they change before the forward, the forward gathers
         again (``drop_if_stale``). For example, overlap the first unit's all-gather with
         loading the next batch. The module's attributes stay the shards until its forward."""
+        self.drop_if_stale()  # a gather made before the shards last changed: made again
         if not async_op:
             self.gather()
             return None
@@ -681,8 +685,10 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     group = unit.group
     for child in inner:  # the new unit becomes the root of every inner unit's group
         group.units.extend(u for u in child.group.units if u not in group.units)
+    paths = {id(m): name for name, m in module.named_modules()}
     for u in group.units:
         u.group = group
+        u.path = paths.get(id(u.module), u.path)  # named under this root now (divergence check)
     object.__setattr__(module, "_fsdp_unit", unit)
     inner_forward = module.forward
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from .._mpi import library_world
 from ..arrays import array_namespace
-from ..autograd.record import version_of
+from ..autograd.record import mark_changed
 from ..dtensor import DTensor
 from ..dtypes import identity_value
 from ..placement import Partial
@@ -51,9 +51,7 @@ def load_into(params: Mapping[str, Parameter], values: Mapping[str, Any], strict
             local[...] = piece
         else:
             param._replace(piece, param.spec)
-        # changed in place, as PyTorch's copy_ counts it: a backward through a graph that saved
-        # the old value refuses, and fully_shard gathers again what was gathered before
-        param._version = version_of(param) + 1  # type: ignore[attr-defined]
+        mark_changed(param)  # as PyTorch's copy_ counts it
 
 
 def _read_piece(param: Parameter, value: Any) -> Any:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 
 from ..autograd import skipping as _skipping
-from ..autograd.record import needs_recording, record_op, version_of
+from ..autograd.record import mark_changed, needs_recording, record_op
 from ..dtensor import DTensor
 from ..errors import PlacementError
 from ..grad_mode import _GradMode
@@ -230,7 +230,7 @@ def apply_inplace(op: Op, target: DTensor, other: Any) -> DTensor:
     local = target.to_local()
     rhs = _prepared(other, specs[1], plan.prepare[1])
     plan.kernel(local, rhs, out=local, casting="same_kind")
-    target._version = version_of(target) + 1  # type: ignore[attr-defined]
+    mark_changed(target)
     return target
 
 

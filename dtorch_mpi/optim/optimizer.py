@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from .._mpi import library_world
 from ..arrays import array_namespace
-from ..autograd.record import version_of
+from ..autograd.record import mark_changed
 from ..dtensor import DTensor
 from ..errors import PlacementError, StateDictError
 from ..spmd import agreed
@@ -115,7 +115,7 @@ class Optimizer:
             if state is None:
                 state = self.state[p] = self._init_state(group, p, xp)
             self._update(group, p.to_local(), p.grad.to_local(), state, xp)  # type: ignore[union-attr]
-            p._version = version_of(p) + 1  # type: ignore[attr-defined]  # backward through an older graph refuses
+            mark_changed(p)  # a backward through an older graph refuses; fully_shard gathers again
 
     def _init_state(self, group: dict[str, Any], p: DTensor, xp: Any) -> dict[str, Any]:
         state: dict[str, Any] = {"step": 0}
