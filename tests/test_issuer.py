@@ -109,39 +109,48 @@ class _Experts(nn.Module):
     """Two experts of one shape, then a shared layer, without biases: every weight is 128 KiB
     of float64, so the default check covers each collective, and no call of the divergent step
     starts unchecked (a lone one would wait at exit for its partner until the deadline).
-    ``route`` names the experts that run. The experts come first, so their reductions are the
-    backward's last calls: the one that differs is the last checked call before its wait."""
+    ``route`` names the experts that run; ``first`` whether they come before the shared layer
+    (their reductions are then the backward's last calls) or after it (the shared layer's
+    reduction follows the one that differs, before anything waits for it)."""
 
-    def __init__(self, mesh: dt.DeviceMesh) -> None:
+    def __init__(self, mesh: dt.DeviceMesh, first: bool) -> None:
         super().__init__()
-        self.c = nn.Linear(64, 256, bias=False, device_mesh=mesh, dtype=np.float64)
-        self.d = nn.Linear(64, 256, bias=False, device_mesh=mesh, dtype=np.float64)
-        self.shared = nn.Linear(256, 64, bias=False, device_mesh=mesh, dtype=np.float64)
+        self.first = first
+        self.c = nn.Linear(128, 128, bias=False, device_mesh=mesh, dtype=np.float64)
+        self.d = nn.Linear(128, 128, bias=False, device_mesh=mesh, dtype=np.float64)
+        self.shared = nn.Linear(128, 128, bias=False, device_mesh=mesh, dtype=np.float64)
         self.route = "cd"
 
     def forward(self, x: dt.DTensor) -> dt.DTensor:
+        if not self.first:
+            x = self.shared(x)
         outs = [getattr(self, name)(x) for name in self.route]
-        return self.shared(outs[0] + outs[1] if len(outs) == 2 else outs[0])
+        y = outs[0] + outs[1] if len(outs) == 2 else outs[0]
+        return self.shared(y) if self.first else y
 
 
 @ranks
+@pytest.mark.parametrize("first", [True, False], ids=["experts-first", "shared-first"])
 @pytest.mark.parametrize("plan", ["fsdp", "replicate"])
 def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: dt.DeviceMesh, mode: str,
-                                                                          plan: str) -> None:
+                                                                          plan: str, first: bool) -> None:
     """Rank 0 routes to expert ``c``, the others to ``d``, of equal shapes, after a step where
     every rank ran both (the bucket layout fixed). The collectives pair up by shape alone, so
     before the check compared what they carry, every rank finished with the other expert's
     shards (fully_shard) or its gradient summed into its own (replicate's bucket). Now every
-    rank raises SPMDDivergenceError naming what each carried."""
+    rank raises SPMDDivergenceError naming what each carried, promptly: a checked call made
+    after the divergent one handed to the issue thread, before the program waited for it, is
+    refused on every rank (issuer.refusal) rather than waiting in its check for ranks that
+    refuse it, until the collective deadline (a test run under a short deadline shows it)."""
     dt.manual_seed(0)
-    model = _Experts(mesh)
+    model = _Experts(mesh, first)
     if plan == "fsdp":
         for name in ("c", "d", "shared"):
             dt.fully_shard(model.get_submodule(name), mesh=mesh)
         dt.fully_shard(model, mesh=mesh)
     else:
         dt.replicate(model, mesh=mesh, bucket_bytes=0)
-    x = dt.distribute_tensor(np.random.default_rng(0).standard_normal((2 * SIZE, 64)), mesh, [S0])
+    x = dt.distribute_tensor(np.random.default_rng(0).standard_normal((2 * SIZE, 128)), mesh, [S0])
     (model(x) ** 2).sum().backward()
     for p in model.parameters():
         p.grad = None

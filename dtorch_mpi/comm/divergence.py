@@ -385,6 +385,7 @@ def detach(comm: MPI.Intracomm) -> None:
     issuer.drain()
     twin = _TWINS.pop(id(comm), None)
     if twin is not None:
+        issuer.forget(twin)
         twin.free()
 
 

@@ -36,7 +36,9 @@ issue 26).
 What a program sees: the same calls, results and divergence errors, but an error found by a
 handed-over call's check (``SPMDDivergenceError``, ``CollectiveTimeoutError``) or its start is
 raised by the handle's ``wait()``, on every rank, rather than by the call: for ``fully_shard``
-and ``replicate`` inside the library's own wait, in the same forward or backward.
+and ``replicate`` inside the library's own wait, in the same forward or backward. The checked
+calls made on that communicator after a divergent one, until the program receives its error,
+are refused on every rank alike (:func:`refusal`).
 
 ``DTORCH_ASYNC_ISSUE``: ``thread`` (the default where MPI runs at ``MPI_THREAD_MULTIPLE``) or
 ``inline`` (every call on the caller's thread, as before: an A/B switch for the benchmark).
@@ -53,6 +55,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .. import settings
+from ..errors import SPMDDivergenceError
 from . import deadline
 
 MODES = settings.ISSUE_MODES
@@ -108,6 +111,7 @@ class Issued:
             _help_until(self._started)
         self._started.wait()  # bounded: the check is under the collective deadline, the start is nonblocking
         if self._error is not None:
+            received(self._error)
             raise self._error
         while _outstanding and not self._handle.done():
             _yield_to_thread()
@@ -121,6 +125,10 @@ _thread: threading.Thread | None = None
 _deferring = 0  # depth of deferred() on the main thread
 issued = 0
 """Calls handed to the thread so far in this process (tests and benchmarks read it)."""
+epoch = 0
+"""How many divergence errors found by handed-over calls the program has received (a call is
+stamped with it when numbered, on the computing thread): see :func:`refusal`."""
+_refusing: dict[tuple[int, int], SPMDDivergenceError] = {}  # (id(twin), epoch) -> the error found
 
 
 def _yield_to_thread() -> None:
@@ -228,6 +236,50 @@ def drain() -> None:
         with _lock:
             while _outstanding:
                 _lock.wait()
+
+
+def found(twin: object, stamp: int, error: SPMDDivergenceError) -> None:
+    """A handed-over call stamped ``stamp`` on ``twin``'s communicator found the group's calls
+    apart (on the issue thread, or a helper). Every rank of the group got the same verdict."""
+    _refusing.setdefault((id(twin), stamp), error)
+
+
+def refusal(twin: object, stamp: int) -> SPMDDivergenceError | None:
+    """The error to refuse a checked call with, or None to check and start it.
+
+    A call on a communicator where a handed-over call found the ranks apart, numbered after that
+    call and before the program received its error (the same ``stamp``), is refused: numbered,
+    never checked or started, its error raised by its wait (a blocking one: by the call). The
+    decision is the program order's, the same on every rank. On one rank the issue thread may
+    find the divergence before the computing thread makes the next call; on another, after. Had
+    the next call's check run, it would wait for ranks that refuse it, until the collective
+    deadline."""
+    if not _refusing:
+        return None
+    return _refusing.get((id(twin), stamp))
+
+
+def received(error: BaseException) -> None:
+    """The program got ``error`` (a wait raised it): calls numbered from now on run again. Each
+    error counts once, whichever of its refused calls raised it first."""
+    global epoch
+    stamps = [stamp for (_, stamp), found_error in _refusing.items() if found_error is error]
+    if epoch in stamps:
+        epoch += 1
+
+
+def forget(twin: object) -> None:
+    """``twin`` is freed (its mesh was): no refusal may outlive it into a twin at its address."""
+    for key in [key for key in _refusing if key[0] == id(twin)]:
+        del _refusing[key]
+
+
+def refused(error: SPMDDivergenceError) -> "Issued":
+    """A handle for a call refused on the computing thread (:func:`refusal`)."""
+    handle = Issued()
+    handle._error = error
+    handle._started.set()
+    return handle
 
 
 def deferring() -> bool:

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from math import prod
 from typing import TYPE_CHECKING, Any
 
+from ..errors import SPMDDivergenceError
 from . import counter, divergence, issuer
 from .config import spmd_check, spmd_debug
 from .divergence import (
@@ -135,10 +136,18 @@ _TRAFFIC: dict[str, Callable[..., tuple[int, int]]] = {
 
 
 def _checked_start(group: Group, twin: Twin, fp: int, describe: Described, start: Callable[..., Handle],
-                   args: tuple[Any, ...]) -> Handle:
+                   args: tuple[Any, ...], stamp: int) -> Handle:
     """On the issue thread: the check, then the data, on the twin's data communicator as it is
-    now (a divergence found by an earlier check replaces it)."""
-    compare(group, twin, fp, describe)
+    now (a divergence found by an earlier check replaces it); a call numbered after a divergent
+    one, before the program received its error, is refused (issuer.refusal)."""
+    refused = issuer.refusal(twin, stamp)
+    if refused is not None:
+        raise refused
+    try:
+        compare(group, twin, fp, describe)
+    except SPMDDivergenceError as exc:
+        issuer.found(twin, stamp, exc)
+        raise
     return start(twin.data_group(group), *args)
 
 
@@ -219,6 +228,14 @@ class Prologued:
                 defer = async_op and default and self.overlaps and not (debug or empty) and issuer.deferring()
                 if issuer._outstanding and not defer:  # (after every call handed to the issue thread)
                     issuer.drain()
+                if twin is not None and issuer._refusing:
+                    refused = issuer.refusal(twin, issuer.epoch)
+                    if refused is not None:  # after a divergent handed-over call (issuer.refusal)
+                        twin.seq += 1
+                        if async_op:
+                            return issuer.refused(refused)
+                        issuer.received(refused)
+                        raise refused
                 if default and self.overlaps:
                     assert twin is not None
                     moves = twin.data_group(group)
@@ -262,7 +279,7 @@ class Prologued:
         twin.seq += 1
         if counter._active:
             self._record(kind, group, send, out, facts, True, args)
-        handle: Handle = issuer.submit(_checked_start, group, twin, fp, describe, start, args)
+        handle: Handle = issuer.submit(_checked_start, group, twin, fp, describe, start, args, issuer.epoch)
         if counter.on_started is not None:
             handle = counter.on_started(handle, True)
         return handle
