@@ -263,9 +263,9 @@ def received(error: BaseException) -> None:
     """The program got ``error`` (a wait raised it): calls numbered from now on run again. Each
     error counts once, whichever of its refused calls raised it first."""
     global epoch
-    stamps = [stamp for (_, stamp), found_error in _refusing.items() if found_error is error]
-    if epoch in stamps:
-        epoch += 1
+    stamps = [stamp for (_, stamp), found_error in list(_refusing.items()) if found_error is error]
+    if epoch in stamps:  # (a list: the issue thread may record another communicator's meanwhile)
+        epoch += 1  # (the entry stays: calls stamped before may still wait in the thread's queue)
 
 
 def forget(twin: object) -> None:

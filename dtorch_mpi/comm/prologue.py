@@ -228,8 +228,8 @@ class Prologued:
                 defer = async_op and default and self.overlaps and not (debug or empty) and issuer.deferring()
                 if issuer._outstanding and not defer:  # (after every call handed to the issue thread)
                     issuer.drain()
-                if twin is not None and issuer._refusing:
-                    refused = issuer.refusal(twin, issuer.epoch)
+                if twin is not None and issuer._refusing and not defer:  # (one handed over: the thread
+                    refused = issuer.refusal(twin, issuer.epoch)  # refuses it in order, counted alike)
                     if refused is not None:  # after a divergent handed-over call (issuer.refusal)
                         twin.seq += 1
                         if async_op:
