@@ -141,7 +141,8 @@ def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: d
     rank raises SPMDDivergenceError naming what each carried, promptly: a checked call made
     after the divergent one handed to the issue thread, before the program waited for it, is
     refused on every rank (issuer.refusal) rather than waiting in its check for ranks that
-    refuse it, until the collective deadline (a test run under a short deadline shows it)."""
+    refuse it, until the collective deadline (without the refusal, the thread-mode replicate
+    cases with the shared layer first waited there)."""
     dt.manual_seed(0)
     model = _Experts(mesh, first)
     if plan == "fsdp":

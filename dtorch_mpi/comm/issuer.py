@@ -254,8 +254,6 @@ def refusal(twin: object, stamp: int) -> SPMDDivergenceError | None:
     find the divergence before the computing thread makes the next call; on another, after. Had
     the next call's check run, it would wait for ranks that refuse it, until the collective
     deadline."""
-    if not _refusing:
-        return None
     return _refusing.get((id(twin), stamp))
 
 
