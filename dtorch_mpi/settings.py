@@ -115,7 +115,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             _on_unless_empty_or_zero, "first use", "comm/config.py", agreed=True),
     Setting("DTORCH_SPMD_CHECK", "flag (`0` off; unset or `1` on)", "1",
             "The default divergence check: for a collective whose group-wide payload is 64 KiB or "
-            "more, the group compares a fingerprint of the call (one 2-int64 persistent all-reduce "
+            "more (and the bucket all-reduces of `replicate` and `reduce_gradients` and the first call "
+            "of each batch of a `fully_shard` unit, whatever their size), the group compares a fingerprint of the call (one 2-int64 persistent all-reduce "
             "on a communicator of its own; with the MPI backend on MPICH a blocking call's data "
             "moves meanwhile, on another communicator of its own, and nothing is returned before "
             "the verdict; on one node the comparison is a shared-memory board instead, see "

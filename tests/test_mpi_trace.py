@@ -23,7 +23,7 @@ from helpers import local_of as local_piece
 from mpi4py import MPI
 
 import dtorch_mpi as dt
-from dtorch_mpi.comm import Group, divergence
+from dtorch_mpi.comm import Group, divergence, issuer
 from dtorch_mpi.split import split_sizes
 
 Call = tuple[str, tuple[Any, ...], Any]  # (method, bytes per buffer argument, root or counts)
@@ -57,6 +57,7 @@ class TracingComm:
         self._comm = comm
         self.calls: list[Call] = []
         self.started: list[str] = []  # the mpi4py methods as called (``calls`` names I-forms by their collective)
+        self.data: TracingComm | None = None  # a mesh communicator's: its twin's data communicator, traced
 
     def __getattr__(self, name: str) -> Any:
         target = getattr(self._comm, name)
@@ -108,16 +109,26 @@ def _mismatch(method: str, calls: list[Call]) -> str | None:
 def tracing(mesh: dt.DeviceMesh) -> Iterator[list[TracingComm]]:
     """Every mesh-dim communicator of ``mesh`` behind a :class:`TracingComm` while inside. The
     divergence check's twin of each (made with the mesh) follows it to its wrapper, so the calls
-    the check covers stay checked and move on the twin's data communicator as they would."""
+    the check covers stay checked and move on the twin's data communicator as they would; that
+    communicator is traced too (the wrapper's ``data``: a trace of its own, since calls on two
+    communicators may interleave differently on different ranks, started on two threads)."""
     raw = list(mesh._groups)
     wrapped = [TracingComm(g) for g in raw]
     mesh._groups = wrapped  # type: ignore[assignment]
+    saved = []
     for r, w in zip(raw, wrapped):
-        if id(r) in divergence._TWINS:
-            divergence._TWINS[id(w)] = divergence._TWINS.pop(id(r))
+        twin = divergence._TWINS.pop(id(r), None)
+        if twin is not None:
+            divergence._TWINS[id(w)] = twin
+            saved.append((twin, twin.data, twin._groups))
+            w.data = TracingComm(twin.data)
+            twin.data, twin._groups = w.data, {}  # type: ignore[assignment]
     try:
         yield wrapped
     finally:
+        issuer.drain()
+        for twin, data, groups in saved:
+            twin.data, twin._groups = data, groups
         for r, w in zip(raw, wrapped):
             if id(w) in divergence._TWINS:
                 divergence._TWINS[id(r)] = divergence._TWINS.pop(id(w))
@@ -132,27 +143,41 @@ def traced_mesh(request: pytest.FixtureRequest) -> Iterator[dt.DeviceMesh]:
     mesh.free()
 
 
+def _traces(mesh: dt.DeviceMesh) -> list[TracingComm]:
+    """The traced communicators of ``mesh``: each mesh dim's, then its data twin's (where made)."""
+    comms: list[TracingComm] = list(mesh._groups)  # type: ignore[arg-type]
+    return comms + [g.data if g.data is not None else TracingComm(MPI.COMM_NULL) for g in comms]
+
+
+def traced_count(mesh: dt.DeviceMesh) -> int:
+    """How many calls the traced communicators of ``mesh`` hold now."""
+    return sum(len(t.calls) for t in _traces(mesh))
+
+
 def _compare_groups(mesh: dt.DeviceMesh, what: str, check: Checker) -> None:
-    """Compare the traces of the ranks of every group (one world all-gather of the traces)."""
+    """Compare the traces of the ranks of every group, on each mesh dim's communicator and on
+    its data twin (one world all-gather of the traces), and clear them."""
     coord = mesh.get_coordinate()
-    mine = [list(g.calls) for g in mesh._groups]  # type: ignore[attr-defined]
-    for g in mesh._groups:
-        g.calls.clear()  # type: ignore[attr-defined]
+    traced = _traces(mesh)
+    mine = [list(t.calls) for t in traced]
+    for t in traced:
+        t.calls.clear()
     everyone = WORLD.allgather((coord, mine))
-    for k in range(mesh.ndim):
+    for j in range(len(traced)):
+        k, on = j % mesh.ndim, ("" if j < mesh.ndim else " (data twin)")
         groups: dict[tuple[int, ...], list[tuple[int, list[Call]]]] = {}
         for c, traces in everyone:
             rest = tuple(v for i, v in enumerate(c) if i != k)
-            groups.setdefault(rest, []).append((c[k], traces[k]))
+            groups.setdefault(rest, []).append((c[k], traces[j]))
         for rest, members in groups.items():
             members.sort()
             seqs = [t for _, t in members]
             if len({len(s) for s in seqs}) > 1:
-                check.true(False, f"{what} mesh dim {k} group {rest}: call counts {[len(s) for s in seqs]}")
+                check.true(False, f"{what} mesh dim {k}{on} group {rest}: call counts {[len(s) for s in seqs]}")
                 continue
             for n, calls in enumerate(zip(*seqs)):
                 why = _mismatch(calls[0][0], list(calls))
-                check.true(why is None, f"{what} mesh dim {k} group {rest} call {n} ({calls[0][0]}): {why}")
+                check.true(why is None, f"{what} mesh dim {k}{on} group {rest} call {n} ({calls[0][0]}): {why}")
 
 
 def _run_traced(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shapes: list[tuple[int, ...]],
@@ -165,7 +190,7 @@ def _run_traced(mesh: dt.DeviceMesh, layouts: list[list[dt.Placement]], shapes: 
             for async_op in (False, True):
                 y = x.redistribute(placements=dst, async_op=async_op)
                 check.equal(y.to_torch(), full, f"{shape} {src} -> {dst} async={async_op}")
-            calls += sum(len(g.calls) for g in mesh._groups)  # type: ignore[attr-defined]
+            calls += traced_count(mesh)
             _compare_groups(mesh, f"{shape} {src} -> {dst}", check)
     return calls
 
@@ -201,7 +226,7 @@ def test_distribute_tensor_moves_through_the_backend_in_matching_calls(traced_me
         for placements, root in itertools.product(layouts, sorted({0, SIZE - 1})):
             x = dt.distribute_tensor(full if WORLD.Get_rank() == root else None, mesh, placements, src_data_rank=root)
             what = f"{shape} {placements} from {root}"
-            moved += sum(len(g.calls) for g in mesh._groups)  # type: ignore[attr-defined]
+            moved += traced_count(mesh)
             _compare_groups(mesh, what, check)
             if not any(isinstance(p, dt.Partial) for p in placements):
                 check.equal(x.to_local(), local_piece(full, mesh, placements), what + " piece")

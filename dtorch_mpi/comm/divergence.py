@@ -22,7 +22,8 @@ When it runs: in debug mode (``DTORCH_SPMD_DEBUG=1``) for every collective, the 
 then also holding the user's call site (:func:`user_site`); by default for every collective
 whose group-wide payload (the whole tensor's bytes, computed by the prologue from the call's
 group-wide facts, so every rank making the same call decides alike; at least what any rank
-sends or receives as one buffer) is :data:`CHECK_FROM` or more, on a communicator with a twin.
+sends or receives as one buffer) is :data:`CHECK_FROM` or more, and for every call made inside
+``call_context(..., every_size=True)`` (the data-parallel plans'), on a communicator with a twin.
 Below the threshold on every rank the default adds only the count. ``DTORCH_SPMD_CHECK=0``
 turns the default check off (for a benchmark of its cost; debug mode still checks).
 
@@ -370,6 +371,9 @@ _TWINS: dict[int, Twin] = {}
 """By ``id`` of the library's communicator object (the mesh holds it, and detaches it at free)."""
 
 _context: Callable[[], str] | None = None
+_every_size = False
+"""Whether the calls inside the current :func:`call_context` are checked by default whatever
+their size (the data-parallel plans' calls, ``every_size=True``)."""
 
 
 def attach(comm: MPI.Intracomm) -> None:
@@ -411,15 +415,21 @@ watch(_poll_overlapping)
 
 
 @contextmanager
-def call_context(describe: Callable[[], str]) -> Iterator[None]:
+def call_context(describe: Callable[[], str], *, every_size: bool = False) -> Iterator[None]:
     """The collectives started inside carry ``describe()`` in their fingerprint (evaluated only
-    when a check runs): what the call means beyond its shapes (a bucket's parameters)."""
-    global _context
+    when a check runs): what the call means beyond its shapes (a bucket's parameters).
+
+    ``every_size``: the default check covers them whatever their payload, not only from
+    :data:`CHECK_FROM`. fully_shard, replicate and ``reduce_gradients`` ask for it: their calls
+    are few per step, and ranks whose forwards took different branches (an expert each) make
+    calls of equal shapes that only the names tell apart, at any size."""
+    global _context, _every_size
     outer, _context = _context, describe
+    outer_size, _every_size = _every_size, every_size
     try:
         yield
     finally:
-        _context = outer
+        _context, _every_size = outer, outer_size
 
 
 def current_context() -> str:

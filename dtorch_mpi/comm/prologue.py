@@ -8,9 +8,11 @@ Around every collective, in this order (one definition, the same for every backe
    every rank starts collectives on a communicator in one order.
 3. The divergence check (comm/divergence.py): by default when the call's group-wide payload
    (the whole tensor's bytes, from facts every rank making the same call shares) is 64 KiB or
-   more, before every call in SPMD debug mode (``DTORCH_SPMD_DEBUG=1``): the group compares
-   the call (its number on the communicator, kind, group-wide shape, dtype, sizes, op, the
-   backend's own call for them, the caller's context), raising ``SPMDDivergenceError`` on every
+   more or the call is made inside ``call_context(..., every_size=True)`` (fully_shard's,
+   replicate's and ``reduce_gradients``' calls), before every call in SPMD debug mode
+   (``DTORCH_SPMD_DEBUG=1``): the group compares the call (its number on the communicator,
+   kind, group-wide shape, dtype, sizes, op, the backend's own call for them, the caller's
+   context), raising ``SPMDDivergenceError`` on every
    rank instead of returning data of different calls. A call the default check covers moves
    its data on the communicator's data twin when the backend ``overlaps_check``, and if it is
    blocking and not in place (outside debug mode) the check overlaps its data: started here,
@@ -100,8 +102,8 @@ def _with(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
 
 def _wants_facts(nbytes: int) -> bool:
     """Whether the call's description may be needed: a counter, debug mode, or the default
-    check's size (its on/off switch is read only then)."""
-    return bool(counter._active) or nbytes >= CHECK_FROM or spmd_debug()
+    check's size or context (its on/off switch is read only then)."""
+    return bool(counter._active) or nbytes >= CHECK_FROM or divergence._every_size or spmd_debug()
 
 
 def _all_to_all_traffic(group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
@@ -209,8 +211,8 @@ class Prologued:
         counter can be on (:func:`_wants_facts`); ``shape()`` and ``nbytes`` are the call's
         group-wide shape and payload bytes.
 
-        A call the default check covers (64 KiB or more, on a communicator with a twin) moves its
-        data on the twin's data communicator when the backend ``overlaps_check`` (a function of
+        A call the default check covers (64 KiB or more, or inside an ``every_size`` context,
+        on a communicator with a twin) moves its data on the twin's data communicator when the backend ``overlaps_check`` (a function of
         group-wide facts: the same on every rank for the same call), and the check overlaps the
         data when the call is blocking and writes no caller's buffer in place (``send is out``:
         broadcast); otherwise, and in debug mode, the check runs before the data starts.
@@ -223,9 +225,12 @@ class Prologued:
         overlap = False
         if facts is not _NO_FACTS and (twin is not None or spmd_debug()):
             debug = twin is None or spmd_debug()  # (no twin: here only in debug mode)
-            default = twin is not None and nbytes >= CHECK_FROM and spmd_check()
+            default = twin is not None and (nbytes >= CHECK_FROM or divergence._every_size) and spmd_check()
             if default or debug:
-                defer = async_op and default and self.overlaps and not (debug or empty) and issuer.deferring()
+                # (a call checked only for its context stays here: a small call's check and start
+                # cost less than the issue thread's wake-up, +4 ms a step of 48 such calls)
+                defer = (async_op and default and nbytes >= CHECK_FROM and self.overlaps and not (debug or empty)
+                         and issuer.deferring())
                 if issuer._outstanding and not defer:  # (after every call handed to the issue thread)
                     issuer.drain()
                 if twin is not None and issuer._refusing and not defer:  # (one handed over: the thread

@@ -165,7 +165,7 @@ class _Replicated:
             # the check compares which gradients the bucket holds: ranks whose forwards used
             # different parameters of equal shapes (an expert each) get an error, not a sum of
             # each other's gradients
-            with call_context(self._describe(items)), deferred(beside_work=not last):
+            with call_context(self._describe(items), every_size=True), deferred(beside_work=not last):
                 work = backend.all_reduce(on, flat, flat, op, async_op=True)
             bucket.flights.append((items, work, flat))
 

@@ -120,7 +120,7 @@ def _all_reduce_bucket(bucket: _Bucket) -> None:
     else:
         flat = pieces[0].reshape(-1)
         out = xp.empty_like(flat)
-    with call_context(lambda: _contents(bucket)):
+    with call_context(lambda: _contents(bucket), every_size=True):
         backend.all_reduce(bucket.group, flat, out, bucket.items[0][1].args[0]).wait()
     at = 0
     for (it, _), x in zip(bucket.items, pieces):
@@ -150,7 +150,7 @@ def _reduce_scatter_bucket(bucket: _Bucket) -> None:
             pack[at : at + block.size] = block.reshape(-1)
             at += block.size
     out = xp.empty(counts[me], dtype=pack.dtype)
-    with call_context(lambda: _contents(bucket)):
+    with call_context(lambda: _contents(bucket), every_size=True):
         backend.reduce_scatter(group, pack, out, 0, counts, bucket.items[0][1].args[2]).wait()
     at = 0
     for (it, _), (_, _, _, shape) in zip(bucket.items, views):
