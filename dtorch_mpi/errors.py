@@ -6,6 +6,8 @@ so the same exception type and message is raised on every rank of the call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class DTensorError(Exception):
     """Base class of every dtorch_mpi error."""
@@ -37,6 +39,10 @@ class CheckpointError(DTensorError, OSError):
 
 class SPMDDivergenceError(DTensorError, RuntimeError):
     """Ranks called different collectives, or the same one with different arguments."""
+
+    resume: Callable[[], None] | None = None
+    """Set by the divergence check (comm/divergence.py), called once, when the program receives
+    the error: the group's communicator numbers its calls from a count every rank agreed."""
 
 
 class CollectiveTimeoutError(DTensorError, TimeoutError):

@@ -105,6 +105,38 @@ def test_a_divergent_deferred_call_raises_at_its_wait_on_every_rank(mesh: dt.Dev
     np.testing.assert_array_equal(again.to_local(), np.ones((ROWS, COLS)))
 
 
+@ranks
+@pytest.mark.parametrize("case", ["modes", "extra"])
+def test_after_a_caught_divergence_every_rank_counts_its_calls_alike_again(mesh: dt.DeviceMesh, case: str) -> None:
+    """The ranks count different numbers of calls up to the error: ``modes``, rank 0 hands the
+    divergent call to the issue thread (counted when handed over) while the others check it
+    inline (an inline check that raises counts nothing); ``extra``, rank 0 makes one more
+    checked call before its wait (refused, but counted). The count enters every check, so
+    before the ranks agreed on it at the error, every later checked call on the mesh raised
+    SPMDDivergenceError again. Now the program catches the error and the mesh works on."""
+    x = dt.distribute_tensor(np.ones((ROWS, COLS)), mesh, [S0])
+    y = dt.distribute_tensor(np.ones((ROWS + 1, COLS)), mesh, [S0])
+    if case == "modes":
+        how = "thread" if RANK == 0 else "inline"
+    else:
+        how = "thread"
+    with issuer.issuing(how):
+        with pytest.raises(dt.SPMDDivergenceError, match="different collective calls"):
+            with issuer.deferred():
+                pending = (x if RANK == 0 else y).redistribute(placements=[R], async_op=True)
+                if case == "extra" and RANK == 0:
+                    x.redistribute(placements=[R], async_op=True)  # (refused: never waited for)
+            pending.to_local()
+        twin = divergence.twin_of(mesh._groups[0])
+        assert twin is not None
+        counts = MPI.COMM_WORLD.allgather(twin.seq)
+        assert len(set(counts)) == 1, counts
+        with issuer.deferred():
+            again = x.redistribute(placements=[R], async_op=True)
+        np.testing.assert_array_equal(again.to_local(), np.ones((ROWS, COLS)))
+        np.testing.assert_array_equal(x.redistribute(placements=[R]).to_local(), np.ones((ROWS, COLS)))
+
+
 class _Experts(nn.Module):
     """Two experts of one shape, then a shared layer, without biases, ``width`` square: at 128
     every weight is 128 KiB of float64, at 32 8 KiB, below the size from which the default check

@@ -74,6 +74,7 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from threading import get_ident
 from typing import Any, NoReturn
 
@@ -554,17 +555,32 @@ def _failed(twin: Twin, group: Group, describe: Described, exc: BaseException) -
 def diverged(group: Group, comm: MPI.Intracomm, twin: Twin | None, describe: Described,
              cause: BaseException | None = None) -> NoReturn:
     """The check found different calls (every rank of the group is here): exchange the calls'
-    texts on ``comm``, give ``twin`` a fresh data communicator, and raise."""
+    texts and ``twin``'s call counts on ``comm``, give ``twin`` a fresh data communicator, and
+    raise. The error's ``resume`` sets the count to the largest, once the program receives the
+    error (``issuer.received``): the ranks may have counted different numbers of calls by then
+    (a rank that handed the divergent call to the issue thread counted it and the refused calls
+    after it; one that checked it inline did not; a divergent program makes what calls it
+    makes), and a count left apart would fail every later check."""
     from ..errors import SPMDDivergenceError
 
     text, args = describe
-    calls = [r.decode(errors="replace") for r in allgather_bytes(comm, text(*args).encode())]
+    seq = -1 if twin is None else twin.seq
+    posts = [r.decode(errors="replace").partition(" ") for r in allgather_bytes(comm, f"{seq} {text(*args)}".encode())]
+    calls = [call for _, _, call in posts]
     if twin is not None:
         twin.renew_data()
     dim = "" if group.mesh_dim is None else f" along mesh dim {group.mesh_dim}"
-    raise SPMDDivergenceError(
+    error = SPMDDivergenceError(
         f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"
         + "\n".join(f"  group rank {r}: {c}" for r, c in enumerate(calls))
         + "\nEvery rank must run the same sequence of collective operations (#n: the call's number "
         "on its communicator; checked by default from 64 KiB, every call with DTORCH_SPMD_DEBUG=1)."
-    ) from cause
+    )
+    if twin is not None:
+        error.resume = partial(_count_from, twin, max(int(n) for n, _, _ in posts))
+    raise error from cause
+
+
+def _count_from(twin: Twin, seq: int) -> None:
+    twin.seq = seq
+

@@ -258,9 +258,14 @@ def refusal(twin: object, stamp: int) -> SPMDDivergenceError | None:
 
 
 def received(error: BaseException) -> None:
-    """The program got ``error`` (a wait raised it): calls numbered from now on run again. Each
-    error counts once, whichever of its refused calls raised it first."""
+    """The program got ``error`` (a call or a wait raised it): calls numbered from now on run
+    again, and a divergence's agreed call count takes effect (``SPMDDivergenceError.resume``,
+    comm/divergence.py). Each error counts once, whichever of its refused calls raised it first."""
     global epoch
+    resume = getattr(error, "resume", None)
+    if resume is not None:
+        error.resume = None  # type: ignore[attr-defined]
+        resume()
     stamps = [stamp for (_, stamp), found_error in list(_refusing.items()) if found_error is error]
     if epoch in stamps:  # (a list: the issue thread may record another communicator's meanwhile)
         epoch += 1  # (the entry stays: calls stamped before may still wait in the thread's queue)

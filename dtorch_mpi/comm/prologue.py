@@ -258,7 +258,11 @@ class Prologued:
                     assert twin is not None
                     return self._defer(group, twin, kind, send, out, facts, fp, describe, start, args)
                 if not overlap:
-                    compare(group, twin, fp, describe)
+                    try:
+                        compare(group, twin, fp, describe)
+                    except SPMDDivergenceError as exc:
+                        issuer.received(exc)  # (raised at the call: the program has it now)
+                        raise
         if empty:
             return completed(out)
         if twin is not None and not overlap:
@@ -267,7 +271,11 @@ class Prologued:
             self._record(kind, group, send, out, facts, async_op, args)
         if overlap:  # the check overlaps the data, whose handle comes back finished (blocking)
             assert twin is not None
-            handle = overlapped(twin, group, fp, describe, start, moves, args)
+            try:
+                handle = overlapped(twin, group, fp, describe, start, moves, args)
+            except SPMDDivergenceError as exc:
+                issuer.received(exc)
+                raise
             twin.seq += 1
         else:
             handle = start(moves, *args)
