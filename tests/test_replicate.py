@@ -266,3 +266,99 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
         check.true(p.grad is not None and p.grad.placements == (R,), f"{n}: grad placed")
         check.equal(to_numpy(p.grad.to_torch()), want[n], f"{n} grad after a failed backward")
     check.done()
+
+
+class _Routed(nn.Module):
+    """A shared layer, then the experts ``route`` names (of three of one shape; ``e`` never runs)."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4, device_mesh=mesh, dtype=np.float64)
+        self.c = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.d = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.e = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.route = "cd"
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        h = F.gelu(self.shared(x), "tanh")
+        outs = [getattr(self, name)(h) for name in self.route]
+        return outs[0] + outs[1] if len(outs) == 2 else outs[0]
+
+
+def _own_route() -> str:
+    """Even ranks run expert c, odd ones d."""
+    return "c" if RANK % 2 == 0 else "d"
+
+
+def _summed_by_hand(mesh: dt.DeviceMesh, model: nn.Module) -> dict[str, np.ndarray | None]:
+    """The reference: each rank's own gradient terms (zeros where it has none), summed across
+    the ranks by a raw MPI all-reduce; None where no rank has a gradient."""
+    from mpi4py import MPI
+
+    comm = mesh.get_comm()
+    out: dict[str, np.ndarray | None] = {}
+    for name, p in model.named_parameters():
+        mine = np.zeros(p.shape) if p.grad is None else np.ascontiguousarray(to_numpy(p.grad.to_local()))
+        total = np.empty_like(mine)
+        comm.Allreduce(mine, total, op=MPI.SUM)
+        anyone = comm.allreduce(p.grad is not None, op=MPI.LOR)
+        out[name] = total if anyone else None
+    return out
+
+
+@pytest.mark.parametrize("first", ["routed", "uniform"], ids=["routed-from-the-start", "after-a-uniform-step"])
+@pytest.mark.parametrize("bucket", [0, 200, nn.utils.BUCKET_BYTES])
+def test_find_unused_parameters_reduces_what_each_rank_used(mesh1d: dt.DeviceMesh, bucket: int, first: str,
+                                                            check: Checker) -> None:
+    """Ranks route to different experts (DDP's ``find_unused_parameters``): a rank without an
+    expert's gradient reduces zeros for it, so every rank gets the sum of the terms the ranks
+    that ran it computed (a raw MPI all-reduce of each rank's terms, zeros where it had none,
+    is the reference), and the expert no rank ran keeps ``.grad`` None. Either the first
+    backward routes already (the bucket order is rank 0's) or a uniform one fixed it; three
+    SGD steps then leave every rank with the same parameters."""
+    x, y = _data(mesh1d)
+    dt.manual_seed(0)
+    model = dt.replicate(_Routed(mesh1d), mesh=mesh1d, bucket_bytes=bucket, find_unused_parameters=True)
+    dt.manual_seed(0)
+    plain = _Routed(mesh1d)
+    opt = dt.optim.SGD(model.parameters(), lr=0.1)
+    if first == "uniform":
+        F.mse_loss(model(x), y).backward()
+        opt.zero_grad()
+    model.route = plain.route = _own_route()
+    for step in range(3):
+        F.mse_loss(plain(x), y).backward()
+        want = _summed_by_hand(mesh1d, plain)
+        F.mse_loss(model(x), y).backward()
+        for name, p in model.named_parameters():
+            w = want[name]
+            if w is None:
+                check.true(p.grad is None, f"step {step}: {name} was used by no rank, yet has a gradient")
+                continue
+            assert p.grad is not None, (step, name)
+            check.true(p.grad.placements == (R,), f"{name}: {p.grad.placements}")
+            check.equal(p.grad.to_local(), w, f"step {step}: {name} grad", exact=False, rtol=1e-13, atol=1e-15)
+        opt.step()
+        opt.zero_grad()
+        for q in plain.parameters():  # (the reference follows the same parameters)
+            q.grad = None
+        for q, p in zip(plain.parameters(), model.parameters()):
+            q.to_local()[...] = p.to_local()
+    every = mesh1d.get_comm().allgather([to_numpy(p.to_local()) for p in model.parameters()])
+    for r, theirs in enumerate(every):
+        for a, b in zip(theirs, every[0]):
+            check.equal(a, b, f"rank {r}'s parameters after three steps")
+    check.done()
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs two ranks to route apart")
+def test_routing_apart_without_find_unused_parameters_names_the_flag(mesh1d: dt.DeviceMesh) -> None:
+    """Without the flag the buckets differ between ranks that ran different experts: every
+    rank raises SPMDDivergenceError, and the rank without a gradient names the flag."""
+    x, y = _data(mesh1d)
+    dt.manual_seed(0)
+    model = dt.replicate(_Routed(mesh1d), mesh=mesh1d)
+    F.mse_loss(model(x), y).backward()
+    model.route = _own_route()
+    with pytest.raises(dt.SPMDDivergenceError, match=r"find_unused_parameters=True"):
+        F.mse_loss(model(x), y).backward()

@@ -23,8 +23,10 @@ a gradient is complete          (post-accumulate-grad hook) mark it; every bucke
                                 gradients are all complete and whose predecessors have
                                 started is packed and its all-reduce started
 backward finishes               (queued callback) start the buckets still waiting (a
-                                parameter unused in this backward), wait for all of them,
-                                set each ``.grad`` to its ``Replicate`` part of the result
+                                parameter unused in this backward: with
+                                ``find_unused_parameters``, zeros in its place), wait for
+                                all of them, set each ``.grad`` to its ``Replicate`` part of
+                                the result (a parameter no rank used keeps None)
 ==============================  ===========================================================
 
 Buckets start strictly in their order, so every rank starts the same collectives in the same
@@ -44,6 +46,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..autograd.graph import BackwardJoin, register_post_accumulate_grad_hook
 from ..comm import Group, backend_for, pool, progress
 from ..comm.divergence import call_context
@@ -54,7 +58,7 @@ from ..mesh import DeviceMesh
 from ..placement import Replicate
 from ..redistribute import array_namespace, compile_plan
 from ..redistribute.planner import StepKind
-from ..spmd import require_same
+from ..spmd import agreed_min, require_same
 from .module import Module, Parameter
 from .utils import BUCKET_BYTES
 from .wrapping import check_module_and_dp_mesh
@@ -90,9 +94,11 @@ class _Replicated:
     """The bucket layout and the running backward's reduction state of one module."""
 
     def __init__(self, module: Module, mesh: DeviceMesh, params: list[Parameter], bucket_bytes: int,
-                 names: list[str]) -> None:
+                 names: list[str], find_unused: bool) -> None:
         self.module, self.mesh, self.params, self.bucket_bytes = module, mesh, params, bucket_bytes
         self.names = names  # each parameter's name in the module (what the divergence check shows)
+        self.find_unused = find_unused  # a parameter without a gradient here adds zeros to its bucket
+        self.zeroed: set[int] = set()  # parameters this rank reduced zeros for in this backward
         self.fixed = False  # the layout follows an observed order checked across ranks
         self.buckets = _cut(list(range(len(params)))[::-1], params, bucket_bytes)
         self.bucket_of = self._index()
@@ -113,7 +119,7 @@ class _Replicated:
         if self.backward.join(self.discard, self.finish):
             for b in self.buckets:
                 b.waiting, b.started, b.flights = len(b.params), False, []
-            self.seen, self.ready, self.next = [], set(), 0
+            self.seen, self.ready, self.next, self.zeroed = [], set(), 0, set()
 
     def grad_complete(self, i: int) -> None:
         if not self.syncing:
@@ -140,10 +146,16 @@ class _Replicated:
         ``deferred``), else through the issue thread."""
         bucket.started = True
         runs: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+        missing: list[str] = []
         for i in bucket.params:
             p = self.params[i]
             g = p.grad
-            if g is None:
+            if g is None:  # unused in this backward (on this rank)
+                if self.find_unused:  # zeros in its place: the other ranks' sum (the used bitmap: finish)
+                    self.zeroed.add(i)
+                    runs.setdefault(("sum", p.dtype, 0), []).append((i, None))
+                else:
+                    missing.append(self.names[i])
                 continue
             steps = compile_plan(g.spec, p.placements).steps
             if not steps:
@@ -155,25 +167,41 @@ class _Replicated:
                 bucket.flights.append(([(i, None)], g.redistribute(placements=p.placements), None))
         xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
         for (op, dtype, _dim), items in runs.items():
-            pieces = [self.params[i].grad.to_local() for i, _ in items]  # type: ignore[union-attr]
-            if len(pieces) == 1 and pieces[0].flags.c_contiguous:
-                flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
+            if any(step is None for _, step in items):  # (zeros for a parameter unused here)
+                sizes = [math.prod(self.params[i].to_local().shape) for i, _ in items]
+                flat = pool.empty(xp, sum(sizes), dtype)
+                at = 0
+                for (i, step), n in zip(items, sizes):
+                    part = flat[at:at + n]
+                    if step is None:
+                        part.fill(0)
+                    else:
+                        part[...] = self.params[i].grad.to_local().reshape(-1)  # type: ignore[union-attr]
+                    at += n
             else:
-                flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
-                xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
-            on: Group = items[0][1].group
+                pieces = [self.params[i].grad.to_local() for i, _ in items]  # type: ignore[union-attr]
+                if len(pieces) == 1 and pieces[0].flags.c_contiguous:
+                    flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
+                else:
+                    flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
+                    xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
+            on: Group = next((step.group for _, step in items if step is not None), None) or Group(
+                self.mesh.get_group(0), 0)  # (the mesh's group now: a test may trace it)
             # the check compares which gradients the bucket holds: ranks whose forwards used
             # different parameters of equal shapes (an expert each) get an error, not a sum of
             # each other's gradients
-            with call_context(self._describe(items), every_size=True), deferred(beside_work=not last):
+            with call_context(self._describe(items, missing), every_size=True), deferred(beside_work=not last):
                 work = backend.all_reduce(on, flat, flat, op, async_op=True)
             bucket.flights.append((items, work, flat))
 
-    def _describe(self, items: list[tuple[int, Any]]) -> Callable[[], str]:
+    def _describe(self, items: list[tuple[int, Any]], missing: list[str]) -> Callable[[], str]:
         """The text the divergence check compares for a packed bucket (evaluated only when a
-        check runs): the gradients it holds, by name, in order."""
+        check runs): the gradients it holds, by name, in order, and the bucket's parameters
+        without a gradient here (a rank-dependent forward: the hint names the flag)."""
         names = [self.names[i] for i, _ in items]
-        return lambda: f"replicate bucket of {', '.join(names)}"
+        unused = (f"; no gradient here for {', '.join(missing)} (unused in this backward; "
+                  f"replicate(..., find_unused_parameters=True) reduces zeros for it)") if missing else ""
+        return lambda: f"replicate bucket of {', '.join(names)}{unused}"
 
     # --- backward finished ----------------------------------------------------------------
     def finish(self) -> None:
@@ -182,19 +210,32 @@ class _Replicated:
         for bucket in self.buckets[self.next:]:
             self.start(bucket, last=True)  # (the end of backward: waited for at once)
         self.next = len(self.buckets)
+        unused = self._unused_everywhere() if self.find_unused else set()
         for bucket in self.buckets:
-            self._land(bucket)
+            self._land(bucket, unused)
         self.backward.leave()
         if not self.fixed:
             order = self.seen + [i for i in range(len(self.params))[::-1] if i not in self.ready]
+            if self.find_unused:  # ranks may use different parameters: rank 0's order for all
+                top = np.iinfo(np.int64).max
+                order = agreed_min(self.mesh.get_comm(), None, order if self.mesh.get_comm().Get_rank() == 0
+                                   else [top] * len(order)).tolist()
             require_same(self.mesh.get_comm(), {"order": tuple(order)},
                          what="replicate: the order gradients complete in during backward (the reverse "
-                              "order of use of the parameters; every rank must run the same forward)")
+                              "order of use of the parameters; every rank must run the same forward, or "
+                              "pass find_unused_parameters=True)")
             self.buckets = _cut(order, self.params, self.bucket_bytes)
             self.bucket_of = self._index()
             self.fixed = True
 
-    def _land(self, bucket: _Bucket) -> None:
+    def _unused_everywhere(self) -> set[int]:
+        """The parameters no rank had a gradient for in this backward (one all-reduce of a
+        byte per parameter: DDP's used bitmap): their ``.grad`` stays None."""
+        here = [0 if i in self.zeroed else 1 for i in range(len(self.params))]
+        low = agreed_min(self.mesh.get_comm(), None, [-u for u in here])  # (the least of -used: -max)
+        return {i for i, u in enumerate(low) if u == 0}
+
+    def _land(self, bucket: _Bucket, unused: set[int]) -> None:
         flights, bucket.flights = bucket.flights, []
         for items, work, out in flights:
             if out is None:  # a redistributed gradient
@@ -206,9 +247,11 @@ class _Replicated:
             for i, _ in items:
                 p = self.params[i]
                 g = p.grad
-                assert g is not None
-                n = math.prod(g.to_local().shape)
-                p.grad = DTensor(out[at:at + n].reshape(g.to_local().shape), compile_plan(g.spec, p.placements).out_spec)
+                shape = p.to_local().shape if g is None else g.to_local().shape
+                n = math.prod(shape)
+                if i not in unused:  # (a zero term here, a gradient elsewhere: the sum of theirs)
+                    p.grad = DTensor(out[at:at + n].reshape(shape), p.spec if g is None else
+                                     compile_plan(g.spec, p.placements).out_spec)
                 at += n
 
     def discard(self) -> None:
@@ -235,15 +278,22 @@ def _on_grad_complete(state: _Replicated, i: int) -> Any:
     return lambda _leaf: state.grad_complete(i)
 
 
-def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BYTES) -> Module:
+def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BYTES,
+              find_unused_parameters: bool = False) -> Module:
     """Data parallel over the 1-D ``mesh``: every parameter must be ``Replicate`` there; during
     backward the gradients are all-reduced in buckets of ``bucket_bytes`` (summed: see the module
     docstring), and after ``backward()`` every ``.grad`` is ``Replicate``. Adds
-    ``module.no_sync()`` (gradient accumulation). Returns the module; see docs/training.md."""
+    ``module.no_sync()`` (gradient accumulation). ``find_unused_parameters`` (DDP's): the
+    forward may use different parameters on different ranks (rank-dependent routing); a rank
+    without a parameter's gradient reduces zeros for it, and a parameter no rank used keeps
+    ``.grad`` None (one more small all-reduce per backward). Returns the module; see
+    docs/training.md."""
     check_module_and_dp_mesh("replicate", module, mesh)
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
         raise ValueError(f"replicate: bucket_bytes must be a non-negative int (bytes per bucket; 0: one "
                          f"all-reduce per gradient), got {bucket_bytes!r}")
+    if not isinstance(find_unused_parameters, bool):
+        raise TypeError(f"replicate: find_unused_parameters must be True or False, got {find_unused_parameters!r}")
     if "_replicate_state" in module.__dict__:
         raise ValueError(f"replicate was already applied to this {type(module).__name__}")
     if "_fsdp_unit" in module.__dict__:
@@ -255,7 +305,7 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
             raise PlacementError(
                 f"replicate: parameter {name} is placed {list(p.placements)} on {p.device_mesh!r}; replicate "
                 f"takes parameters Replicate on the mesh given ({mesh!r}): build the module on that mesh")
-    state = _Replicated(module, mesh, params, bucket_bytes, [names[id(p)] for p in params])
+    state = _Replicated(module, mesh, params, bucket_bytes, [names[id(p)] for p in params], find_unused_parameters)
     for i, p in enumerate(params):
         register_post_accumulate_grad_hook(p, _on_grad_complete(state, i))
     object.__setattr__(module, "_replicate_state", state)
