@@ -128,7 +128,8 @@ def tracing(mesh: dt.DeviceMesh) -> Iterator[list[TracingComm]]:
     finally:
         issuer.drain()
         for twin, data, groups in saved:
-            twin.data, twin._groups = data, groups
+            if isinstance(twin.data, TracingComm):  # (else a divergence inside renewed it: kept)
+                twin.data, twin._groups = data, groups
         for r, w in zip(raw, wrapped):
             if id(w) in divergence._TWINS:
                 divergence._TWINS[id(r)] = divergence._TWINS.pop(id(w))

@@ -268,25 +268,43 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
     check.done()
 
 
-class _Routed(nn.Module):
-    """A shared layer, then the experts ``route`` names (of three of one shape; ``e`` never runs)."""
+class _Experts(nn.Module):
+    """Three experts of one shape; ``route`` names those that run (``e`` never does; none: the
+    input passes through)."""
 
     def __init__(self, mesh: dt.DeviceMesh) -> None:
         super().__init__()
-        self.shared = nn.Linear(4, 4, device_mesh=mesh, dtype=np.float64)
-        self.c = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.d = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.e = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.c = nn.Linear(4, 4, device_mesh=mesh, dtype=np.float64)
+        self.d = nn.Linear(4, 4, device_mesh=mesh, dtype=np.float64)
+        self.e = nn.Linear(4, 4, device_mesh=mesh, dtype=np.float64)
         self.route = "cd"
+
+    def forward(self, h: dt.DTensor) -> dt.DTensor:
+        for name in self.route:
+            h = h + getattr(self, name)(h)
+        return h
+
+
+class _Routed(nn.Module):
+    """A shared layer, then the experts; ``gather`` adds a term whose backward is a collective on
+    the data-parallel mesh (a sharded activation gathered in forward)."""
+
+    def __init__(self, mesh: dt.DeviceMesh, gather: bool) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4, device_mesh=mesh, dtype=np.float64)
+        self.experts = _Experts(mesh)
+        self.head = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.gather = gather
 
     def forward(self, x: dt.DTensor) -> dt.DTensor:
         h = F.gelu(self.shared(x), "tanh")
-        outs = [getattr(self, name)(h) for name in self.route]
-        return outs[0] + outs[1] if len(outs) == 2 else outs[0]
+        if self.gather:
+            h = h + h.redistribute(placements=[R]).sum(0) * 0.1
+        return self.head(self.experts(h))
 
 
 def _own_route() -> str:
-    """Even ranks run expert c, odd ones d."""
+    """Even ranks run expert c, odd ones d; with ``none``, rank 1 runs none."""
     return "c" if RANK % 2 == 0 else "d"
 
 
@@ -306,40 +324,57 @@ def _summed_by_hand(mesh: dt.DeviceMesh, model: nn.Module) -> dict[str, np.ndarr
     return out
 
 
+@pytest.mark.parametrize("case", ["plain", "gather", "zeros", "none"])
 @pytest.mark.parametrize("first", ["routed", "uniform"], ids=["routed-from-the-start", "after-a-uniform-step"])
-@pytest.mark.parametrize("bucket", [0, 200, nn.utils.BUCKET_BYTES])
+@pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
 def test_find_unused_parameters_reduces_what_each_rank_used(mesh1d: dt.DeviceMesh, bucket: int, first: str,
-                                                            check: Checker) -> None:
+                                                            case: str, check: Checker) -> None:
     """Ranks route to different experts (DDP's ``find_unused_parameters``): a rank without an
-    expert's gradient reduces zeros for it, so every rank gets the sum of the terms the ranks
+    expert's gradient adds zeros for it, so every rank gets the sum of the terms the ranks
     that ran it computed (a raw MPI all-reduce of each rank's terms, zeros where it had none,
     is the reference), and the expert no rank ran keeps ``.grad`` None. Either the first
     backward routes already (the bucket order is rank 0's) or a uniform one fixed it; three
-    SGD steps then leave every rank with the same parameters."""
+    SGD steps then leave every rank with the same parameters. Cases: ``gather``, a collective
+    on the mesh inside backward (the buckets reduce after it on every rank, where a bucket a
+    rank started in its hook had met it in another order); ``zeros``, ``zero_grad
+    (set_to_none=False)`` (a zero ``Replicate`` gradient is a term like any); ``none``, only
+    the experts replicated and rank 1 runs none of them (its backward reaches no parameter of
+    the replicated module, and still adds its zeros)."""
     x, y = _data(mesh1d)
-    dt.manual_seed(0)
-    model = dt.replicate(_Routed(mesh1d), mesh=mesh1d, bucket_bytes=bucket, find_unused_parameters=True)
-    dt.manual_seed(0)
-    plain = _Routed(mesh1d)
+    models = []
+    for _ in range(2):
+        dt.manual_seed(0)
+        models.append(_Routed(mesh1d, gather=case == "gather"))
+    model, plain = models
+    dt.replicate(model.experts if case == "none" else model, mesh=mesh1d, bucket_bytes=bucket,
+                 find_unused_parameters=True)
+    checked = model.experts if case == "none" else model
     opt = dt.optim.SGD(model.parameters(), lr=0.1)
+    to_none = case != "zeros"
     if first == "uniform":
         F.mse_loss(model(x), y).backward()
-        opt.zero_grad()
-    model.route = plain.route = _own_route()
+        opt.zero_grad(set_to_none=to_none)
+    route = "" if case == "none" and RANK == 1 else _own_route()
+    model.experts.route = plain.experts.route = route
     for step in range(3):
         F.mse_loss(plain(x), y).backward()
-        want = _summed_by_hand(mesh1d, plain)
+        want = _summed_by_hand(mesh1d, plain.experts if case == "none" else plain)
         F.mse_loss(model(x), y).backward()
-        for name, p in model.named_parameters():
+        for name, p in checked.named_parameters():
             w = want[name]
             if w is None:
-                check.true(p.grad is None, f"step {step}: {name} was used by no rank, yet has a gradient")
+                check.true(p.grad is None or (not to_none and not np.any(to_numpy(p.grad.to_local()))),
+                           f"step {step}: {name} was used by no rank, yet has a gradient")
                 continue
             assert p.grad is not None, (step, name)
             check.true(p.grad.placements == (R,), f"{name}: {p.grad.placements}")
             check.equal(p.grad.to_local(), w, f"step {step}: {name} grad", exact=False, rtol=1e-13, atol=1e-15)
+        if case == "none":  # (the rest is not replicated: the reference's gradients, reduced by hand)
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                if not name.startswith("experts.") and q.grad is not None:
+                    p.grad = q.grad.redistribute(placements=[R])
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=to_none)
         for q in plain.parameters():  # (the reference follows the same parameters)
             q.grad = None
         for q, p in zip(plain.parameters(), model.parameters()):
@@ -352,13 +387,18 @@ def test_find_unused_parameters_reduces_what_each_rank_used(mesh1d: dt.DeviceMes
 
 
 @pytest.mark.skipif(SIZE == 1, reason="needs two ranks to route apart")
-def test_routing_apart_without_find_unused_parameters_names_the_flag(mesh1d: dt.DeviceMesh) -> None:
+@pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
+def test_routing_apart_without_find_unused_parameters_names_the_flag(mesh1d: dt.DeviceMesh, bucket: int) -> None:
     """Without the flag the buckets differ between ranks that ran different experts: every
-    rank raises SPMDDivergenceError, and the rank without a gradient names the flag."""
+    rank raises SPMDDivergenceError, and a rank without a gradient names the flag, also where
+    a whole bucket has none here (it makes a checked call of nothing)."""
     x, y = _data(mesh1d)
     dt.manual_seed(0)
-    model = dt.replicate(_Routed(mesh1d), mesh=mesh1d)
+    model = dt.replicate(_Routed(mesh1d, gather=False), mesh=mesh1d, bucket_bytes=bucket)
     F.mse_loss(model(x), y).backward()
-    model.route = _own_route()
-    with pytest.raises(dt.SPMDDivergenceError, match=r"find_unused_parameters=True"):
+    for p in model.parameters():
+        p.grad = None
+    model.experts.route = _own_route()
+    with pytest.raises(dt.SPMDDivergenceError, match=r"find_unused_parameters=True") as err:
         F.mse_loss(model(x), y).backward()
+    assert "no gradient here for experts.c" in str(err.value) or "no gradient here for experts.d" in str(err.value)

@@ -574,7 +574,8 @@ def diverged(group: Group, comm: MPI.Intracomm, twin: Twin | None, describe: Des
         f"SPMD divergence{dim}: the ranks of one group are making different collective calls:\n"
         + "\n".join(f"  group rank {r}: {c}" for r, c in enumerate(calls))
         + "\nEvery rank must run the same sequence of collective operations (#n: the call's number "
-        "on its communicator; checked by default from 64 KiB, every call with DTORCH_SPMD_DEBUG=1)."
+        "on its communicator; checked by default from 64 KiB and for the data-parallel plans' calls, every "
+        "call with DTORCH_SPMD_DEBUG=1)."
     )
     if twin is not None:
         error.resume = partial(_count_from, twin, max(int(n) for n, _, _ in posts))

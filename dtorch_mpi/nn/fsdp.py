@@ -52,7 +52,7 @@ import contextlib
 import itertools
 import mmap
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +75,7 @@ from ..redistribute.planner import StepKind
 from ..spec import DTensorSpec
 from .deferred import is_deferred, materialize_as
 from .module import Module, Parameter
-from .wrapping import check_module_and_dp_mesh
+from .wrapping import check_module_and_dp_mesh, output_tensors
 
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
 _HUGE = 2 << 20  # bytes: a transparent huge page (x86-64, arm64 with 4 KiB pages)
@@ -417,7 +417,7 @@ class _Unit:
                 group.order = group.current
         training = is_grad_enabled() and any(s.gathered.requires_grad for s in self.slots)
         if training:
-            for t in _tensors(out):
+            for t in output_tensors(out):
                 if t.requires_grad:
                     register_hook(t, self._pre_backward)
         if self.reshard_after_forward or not training:
@@ -432,7 +432,7 @@ class _Unit:
         self.gather()
         self.expose(True)
         out = inner(*args, **kwargs)
-        for t in _tensors(out):
+        for t in output_tensors(out):
             if t.requires_grad:
                 register_hook(t, self._pre_backward)
         return out
@@ -555,18 +555,6 @@ def _start_reduce(layout: _Layout, g: DTensor, target: tuple[Placement, ...]) ->
     with no_grad():
         pending = DTensor(g.to_local(), spec).redistribute(placements=target, async_op=True)
     return pending.to_local, pending.spec
-
-
-def _tensors(out: Any) -> Iterator[DTensor]:
-    """The DTensors in a forward's output (nested tuples, lists and dicts)."""
-    if isinstance(out, DTensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for x in out:
-            yield from _tensors(x)
-    elif isinstance(out, dict):
-        for x in out.values():
-            yield from _tensors(x)
 
 
 def _unit_of(module: Module) -> _Unit | None:

@@ -48,20 +48,22 @@ from typing import Any
 
 import numpy as np
 
-from ..autograd.graph import BackwardJoin, register_post_accumulate_grad_hook
+from ..autograd.accumulate import convert_locally
+from ..autograd.graph import BackwardJoin, register_hook, register_post_accumulate_grad_hook
 from ..comm import Group, backend_for, pool, progress
 from ..comm.divergence import call_context
 from ..comm.issuer import deferred
 from ..dtensor import DTensor
 from ..errors import PlacementError
+from ..grad_mode import is_grad_enabled
 from ..mesh import DeviceMesh
-from ..placement import Replicate
+from ..placement import Partial, Replicate
 from ..redistribute import array_namespace, compile_plan
 from ..redistribute.planner import StepKind
 from ..spmd import agreed_min, require_same
 from .module import Module, Parameter
 from .utils import BUCKET_BYTES
-from .wrapping import check_module_and_dp_mesh
+from .wrapping import check_module_and_dp_mesh, output_tensors
 
 
 @dataclass
@@ -98,7 +100,7 @@ class _Replicated:
         self.module, self.mesh, self.params, self.bucket_bytes = module, mesh, params, bucket_bytes
         self.names = names  # each parameter's name in the module (what the divergence check shows)
         self.find_unused = find_unused  # a parameter without a gradient here adds zeros to its bucket
-        self.zeroed: set[int] = set()  # parameters this rank reduced zeros for in this backward
+        self.absent: set[int] = set()  # parameters without a gradient here in this backward (find_unused)
         self.fixed = False  # the layout follows an observed order checked across ranks
         self.buckets = _cut(list(range(len(params)))[::-1], params, bucket_bytes)
         self.bucket_of = self._index()
@@ -119,7 +121,13 @@ class _Replicated:
         if self.backward.join(self.discard, self.finish):
             for b in self.buckets:
                 b.waiting, b.started, b.flights = len(b.params), False, []
-            self.seen, self.ready, self.next, self.zeroed = [], set(), 0, set()
+            self.seen, self.ready, self.next, self.absent = [], set(), 0, set()
+
+    def output_reached(self, _grad: Any) -> None:
+        """(``find_unused_parameters``) The backward reached the module's output: join it, so
+        its end reduces this rank's zeros even where it reaches no parameter."""
+        if self.syncing:
+            self.join_backward()
 
     def grad_complete(self, i: int) -> None:
         if not self.syncing:
@@ -130,6 +138,8 @@ class _Replicated:
         self.ready.add(i)
         self.seen.append(i)
         self.buckets[self.bucket_of[i]].waiting -= 1
+        if self.find_unused:  # every bucket starts at the end (finish): see replicate()
+            return
         while self.next < len(self.buckets) and self.buckets[self.next].waiting == 0:
             self.start(self.buckets[self.next], last=self.next == len(self.buckets) - 1)
             self.next += 1
@@ -145,17 +155,42 @@ class _Replicated:
         ``last`` (waited for next, with no compute left to hide behind: comm/issuer.py,
         ``deferred``), else through the issue thread."""
         bucket.started = True
+        runs, missing = self._every_term(bucket) if self.find_unused else self._reduced_terms(bucket)
+        xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
+        for (op, dtype, _dim), items in runs.items():
+            if self.find_unused:  # every parameter's term, zeros where it has no gradient here
+                terms = [self._term(i) for i, _ in items]
+                flat = pool.empty(xp, sum(t.size for t in terms), dtype)
+                xp.concatenate([t.reshape(-1) for t in terms], out=flat)
+            else:
+                pieces = [self.params[i].grad.to_local() for i, _ in items]  # type: ignore[union-attr]
+                if len(pieces) == 1 and pieces[0].flags.c_contiguous:
+                    flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
+                else:
+                    flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
+                    xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
+            # the check compares which gradients the bucket holds: ranks whose forwards used
+            # different parameters of equal shapes (an expert each) get an error, not a sum of
+            # each other's gradients
+            with call_context(self._describe(items, missing), every_size=True), deferred(beside_work=not last):
+                work = backend.all_reduce(self._group(items), flat, flat, op, async_op=True)
+            bucket.flights.append((items, work, flat))
+        if missing and not runs:  # no gradient of the bucket here: a checked call of nothing, so a
+            empty = xp.empty(0, dtype=self.params[bucket.params[0]].dtype)  # rank with one raises
+            with call_context(self._describe([], missing), every_size=True):  # (and the text names the flag)
+                backend.all_reduce(self._group([]), empty, empty, "sum")
+
+    def _reduced_terms(self, bucket: _Bucket) -> tuple[dict[tuple[Any, ...], list[tuple[int, Any]]], list[str]]:
+        """The bucket's gradients that need an all-reduce, by (op, dtype, mesh dim), and the
+        names of its parameters without a gradient here; a gradient that needs other steps is
+        redistributed now (``bucket.flights``)."""
         runs: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
         missing: list[str] = []
         for i in bucket.params:
             p = self.params[i]
             g = p.grad
             if g is None:  # unused in this backward (on this rank)
-                if self.find_unused:  # zeros in its place: the other ranks' sum (the used bitmap: finish)
-                    self.zeroed.add(i)
-                    runs.setdefault(("sum", p.dtype, 0), []).append((i, None))
-                else:
-                    missing.append(self.names[i])
+                missing.append(self.names[i])
                 continue
             steps = compile_plan(g.spec, p.placements).steps
             if not steps:
@@ -165,43 +200,41 @@ class _Replicated:
                 runs.setdefault((steps[0].args[0], g.dtype, group.mesh_dim), []).append((i, steps[0]))
             else:  # anything else (not made by a sharded batch): as redistribute would, now
                 bucket.flights.append(([(i, None)], g.redistribute(placements=p.placements), None))
-        xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
-        for (op, dtype, _dim), items in runs.items():
-            if any(step is None for _, step in items):  # (zeros for a parameter unused here)
-                sizes = [math.prod(self.params[i].to_local().shape) for i, _ in items]
-                flat = pool.empty(xp, sum(sizes), dtype)
-                at = 0
-                for (i, step), n in zip(items, sizes):
-                    part = flat[at:at + n]
-                    if step is None:
-                        part.fill(0)
-                    else:
-                        part[...] = self.params[i].grad.to_local().reshape(-1)  # type: ignore[union-attr]
-                    at += n
-            else:
-                pieces = [self.params[i].grad.to_local() for i, _ in items]  # type: ignore[union-attr]
-                if len(pieces) == 1 and pieces[0].flags.c_contiguous:
-                    flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
-                else:
-                    flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
-                    xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
-            on: Group = next((step.group for _, step in items if step is not None), None) or Group(
-                self.mesh.get_group(0), 0)  # (the mesh's group now: a test may trace it)
-            # the check compares which gradients the bucket holds: ranks whose forwards used
-            # different parameters of equal shapes (an expert each) get an error, not a sum of
-            # each other's gradients
-            with call_context(self._describe(items, missing), every_size=True), deferred(beside_work=not last):
-                work = backend.all_reduce(on, flat, flat, op, async_op=True)
-            bucket.flights.append((items, work, flat))
+        return runs, missing
+
+    def _every_term(self, bucket: _Bucket) -> tuple[dict[tuple[Any, ...], list[tuple[int, Any]]], list[str]]:
+        """``find_unused_parameters``: every parameter of the bucket, by dtype, summed whether
+        or not it has a gradient here (the ranks' buckets then match whatever each used)."""
+        runs: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
+        for i in bucket.params:
+            p = self.params[i]
+            if p.grad is None:
+                self.absent.add(i)
+            runs.setdefault(("sum", p.dtype, 0), []).append((i, None))
+        return runs, []
+
+    def _term(self, i: int) -> Any:
+        """Parameter ``i``'s term of the sum (``find_unused_parameters``): its gradient as
+        ``Partial("sum")`` (a ``Replicate`` one counts at coordinate 0, as accumulation does),
+        zeros where it has none."""
+        p, g = self.params[i], self.params[i].grad
+        if g is None:
+            return array_namespace(self.mesh.device_type).zeros(p.to_local().shape, dtype=p.dtype)
+        return convert_locally(g, (Partial("sum"),))
+
+    def _group(self, items: list[tuple[int, Any]]) -> Group:
+        """The group the bucket's all-reduce runs on: its plan's, else the mesh's (as it is now:
+        a test may trace it)."""
+        return next((step.group for _, step in items if step is not None), None) or Group(self.mesh.get_group(0), 0)
 
     def _describe(self, items: list[tuple[int, Any]], missing: list[str]) -> Callable[[], str]:
         """The text the divergence check compares for a packed bucket (evaluated only when a
         check runs): the gradients it holds, by name, in order, and the bucket's parameters
         without a gradient here (a rank-dependent forward: the hint names the flag)."""
-        names = [self.names[i] for i, _ in items]
-        unused = (f"; no gradient here for {', '.join(missing)} (unused in this backward; "
-                  f"replicate(..., find_unused_parameters=True) reduces zeros for it)") if missing else ""
-        return lambda: f"replicate bucket of {', '.join(names)}{unused}"
+        held = "replicate bucket of " + ", ".join(self.names[i] for i, _ in items) if items else "replicate bucket"
+        unused = (f"{';' if items else ' with'} no gradient here for {', '.join(missing)} (unused in this "
+                  f"backward; replicate(..., find_unused_parameters=True) reduces zeros for it)") if missing else ""
+        return lambda: held + unused
 
     # --- backward finished ----------------------------------------------------------------
     def finish(self) -> None:
@@ -231,7 +264,7 @@ class _Replicated:
     def _unused_everywhere(self) -> set[int]:
         """The parameters no rank had a gradient for in this backward (one all-reduce of a
         byte per parameter: DDP's used bitmap): their ``.grad`` stays None."""
-        here = [0 if i in self.zeroed else 1 for i in range(len(self.params))]
+        here = [0 if i in self.absent else 1 for i in range(len(self.params))]
         low = agreed_min(self.mesh.get_comm(), None, [-u for u in here])  # (the least of -used: -max)
         return {i for i, u in enumerate(low) if u == 0}
 
@@ -247,11 +280,16 @@ class _Replicated:
             for i, _ in items:
                 p = self.params[i]
                 g = p.grad
-                shape = p.to_local().shape if g is None else g.to_local().shape
-                n = math.prod(shape)
-                if i not in unused:  # (a zero term here, a gradient elsewhere: the sum of theirs)
-                    p.grad = DTensor(out[at:at + n].reshape(shape), p.spec if g is None else
-                                     compile_plan(g.spec, p.placements).out_spec)
+                if self.find_unused:  # (every parameter's term: the sum lands unless no rank had one)
+                    shape = p.to_local().shape
+                    n = math.prod(shape)
+                    if i not in unused:
+                        p.grad = DTensor(out[at:at + n].reshape(shape), p.spec)
+                    at += n
+                    continue
+                assert g is not None
+                n = math.prod(g.to_local().shape)
+                p.grad = DTensor(out[at:at + n].reshape(g.to_local().shape), compile_plan(g.spec, p.placements).out_spec)
                 at += n
 
     def discard(self) -> None:
@@ -284,10 +322,11 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
     backward the gradients are all-reduced in buckets of ``bucket_bytes`` (summed: see the module
     docstring), and after ``backward()`` every ``.grad`` is ``Replicate``. Adds
     ``module.no_sync()`` (gradient accumulation). ``find_unused_parameters`` (DDP's): the
-    forward may use different parameters on different ranks (rank-dependent routing); a rank
-    without a parameter's gradient reduces zeros for it, and a parameter no rank used keeps
-    ``.grad`` None (one more small all-reduce per backward). Returns the module; see
-    docs/training.md."""
+    forward may use different parameters on different ranks (rank-dependent routing); every
+    bucket is reduced at the end of backward (after every other collective of the backward,
+    on every rank alike), a rank without a parameter's gradient adding zeros, and a parameter
+    no rank used keeps ``.grad`` None (one more small all-reduce per backward). Returns the
+    module; see docs/training.md."""
     check_module_and_dp_mesh("replicate", module, mesh)
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
         raise ValueError(f"replicate: bucket_bytes must be a non-negative int (bytes per bucket; 0: one "
@@ -308,6 +347,18 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
     state = _Replicated(module, mesh, params, bucket_bytes, [names[id(p)] for p in params], find_unused_parameters)
     for i, p in enumerate(params):
         register_post_accumulate_grad_hook(p, _on_grad_complete(state, i))
+    if find_unused_parameters:  # a rank whose backward reaches none of the parameters joins it too
+        inner_forward = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            out = inner_forward(*args, **kwargs)
+            if is_grad_enabled():
+                for t in output_tensors(out):
+                    if t.requires_grad:
+                        register_hook(t, state.output_reached)
+            return out
+
+        object.__setattr__(module, "forward", forward)
     object.__setattr__(module, "_replicate_state", state)
     object.__setattr__(module, "no_sync", state.no_sync)
     return module

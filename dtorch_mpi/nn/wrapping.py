@@ -1,9 +1,12 @@
-"""What every data-parallel wrapper (``fully_shard``, ``replicate``) checks of its arguments."""
+"""What every data-parallel wrapper (``fully_shard``, ``replicate``) checks of its arguments, and
+the tensors of a forward's output it hooks."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
+from ..dtensor import DTensor
 from ..mesh import DeviceMesh
 from .module import Module
 
@@ -18,3 +21,16 @@ def check_module_and_dp_mesh(api: str, module: Any, mesh: Any) -> None:
     if mesh.ndim != 1:
         raise ValueError(f"{api} needs a 1-D mesh (the data-parallel dim), got a {mesh.ndim}-D mesh; "
                          f"pass a sub-mesh such as mesh['dp']")
+
+
+def output_tensors(out: Any) -> Iterator[DTensor]:
+    """The DTensors in a forward's output (nested tuples, lists and dicts): where a wrapper
+    hooks the start of the module's backward."""
+    if isinstance(out, DTensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for x in out:
+            yield from output_tensors(x)
+    elif isinstance(out, dict):
+        for x in out.values():
+            yield from output_tensors(x)
