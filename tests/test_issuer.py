@@ -201,6 +201,17 @@ def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: d
         # checked call of nothing, whose text names the expert and find_unused_parameters)
         named = [e for e in ("c.weight", "d.weight") if f"replicate bucket of {e}" in text]
         assert named and f"no gradient here for {named[0]}" in text and "find_unused_parameters=True" in text, text
+        # the next backward on the same model discards the failed one's flights (a refused
+        # one raises its error again: not raised twice) and reduces as a fresh model does
+        model.route = "cd"
+        for p in model.parameters():
+            p.grad = None
+        (model(x) ** 2).sum().backward()
+        dt.manual_seed(0)
+        fresh = dt.replicate(_Experts(mesh, first, width), mesh=mesh, bucket_bytes=0)
+        (fresh(x) ** 2).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+            np.testing.assert_array_equal(p.grad.to_local(), q.grad.to_local(), err_msg=name)
 
 
 def _model(plan: str, mesh: dt.DeviceMesh, seed: int) -> nn.Module:

@@ -54,7 +54,7 @@ from ..comm import Group, backend_for, pool, progress
 from ..comm.divergence import call_context
 from ..comm.issuer import deferred
 from ..dtensor import DTensor
-from ..errors import PlacementError
+from ..errors import CollectiveTimeoutError, PlacementError, SPMDDivergenceError
 from ..grad_mode import is_grad_enabled
 from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate
@@ -293,11 +293,15 @@ class _Replicated:
                 at += n
 
     def discard(self) -> None:
-        """A backward that raised: its all-reduces complete, the gradients stay as they were."""
+        """A backward that raised: its all-reduces complete, the gradients stay as they were.
+        An error a flight raises again (a call refused after a divergence, whose error that
+        backward raised already) is not raised twice: on the ranks it reaches it would part
+        them from the others at the next backward's first hook."""
         for bucket in self.buckets:
             for _, work, out in bucket.flights:
                 if out is not None:  # an all-reduce (any handle: a traced one too)
-                    work.wait()
+                    with contextlib.suppress(SPMDDivergenceError, CollectiveTimeoutError):
+                        work.wait()
             bucket.flights = []
         self.backward.leave()
 
