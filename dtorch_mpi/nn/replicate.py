@@ -101,6 +101,7 @@ class _Replicated:
         self.names = names  # each parameter's name in the module (what the divergence check shows)
         self.find_unused = find_unused  # a parameter without a gradient here adds zeros to its bucket
         self.absent: set[int] = set()  # parameters without a gradient here in this backward (find_unused)
+        self.raised: BaseException | None = None  # what the last backward's end raised
         self.fixed = False  # the layout follows an observed order checked across ranks
         self.buckets = _cut(list(range(len(params)))[::-1], params, bucket_bytes)
         self.bucket_of = self._index()
@@ -240,12 +241,16 @@ class _Replicated:
     def finish(self) -> None:
         """Start what waits, in order; wait; set every reduced ``.grad``; fix the layout after
         the first backward (checked across ranks)."""
-        for bucket in self.buckets[self.next:]:
-            self.start(bucket, last=True)  # (the end of backward: waited for at once)
-        self.next = len(self.buckets)
-        unused = self._unused_everywhere() if self.find_unused else set()
-        for bucket in self.buckets:
-            self._land(bucket, unused)
+        try:
+            for bucket in self.buckets[self.next:]:
+                self.start(bucket, last=True)  # (the end of backward: waited for at once)
+            self.next = len(self.buckets)
+            unused = self._unused_everywhere() if self.find_unused else set()
+            for bucket in self.buckets:
+                self._land(bucket, unused)
+        except BaseException as exc:
+            self.raised = exc  # (the next backward's discard does not raise it again)
+            raise
         self.backward.leave()
         if not self.fixed:
             order = self.seen + [i for i in range(len(self.params))[::-1] if i not in self.ready]
@@ -294,16 +299,25 @@ class _Replicated:
 
     def discard(self) -> None:
         """A backward that raised: its all-reduces complete, the gradients stay as they were.
-        An error a flight raises again (a call refused after a divergence, whose error that
-        backward raised already) is not raised twice: on the ranks it reaches it would part
-        them from the others at the next backward's first hook."""
+        The error that backward's end raised (``raised``), which its refused calls raise
+        again, is not raised twice: on the ranks those calls reach it would part them from
+        the others at the next backward's first hook. Any other error a flight raises (one
+        the program never saw: the backward raised elsewhere first) is raised once, after
+        every flight is waited for."""
+        fresh: BaseException | None = None
         for bucket in self.buckets:
-            for _, work, out in bucket.flights:
+            flights, bucket.flights = bucket.flights, []
+            for _, work, out in flights:
                 if out is not None:  # an all-reduce (any handle: a traced one too)
-                    with contextlib.suppress(SPMDDivergenceError, CollectiveTimeoutError):
+                    try:
                         work.wait()
-            bucket.flights = []
+                    except (SPMDDivergenceError, CollectiveTimeoutError) as exc:
+                        if exc is not self.raised and fresh is None:
+                            fresh = exc
+        self.raised = None
         self.backward.leave()
+        if fresh is not None:
+            raise fresh
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
