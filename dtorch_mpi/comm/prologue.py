@@ -212,10 +212,12 @@ class Prologued:
         group-wide shape and payload bytes.
 
         A call the default check covers (64 KiB or more, or inside an ``every_size`` context,
-        on a communicator with a twin) moves its data on the twin's data communicator when the backend ``overlaps_check`` (a function of
-        group-wide facts: the same on every rank for the same call), and the check overlaps the
-        data when the call is blocking and writes no caller's buffer in place (``send is out``:
-        broadcast); otherwise, and in debug mode, the check runs before the data starts.
+        on a communicator with a twin) moves its data on the twin's data communicator when the
+        backend ``overlaps_check`` (a function of group-wide facts: the same on every rank for
+        the same call), and the check overlaps the data when the call is blocking and writes no
+        caller's buffer in place (``send is out``: broadcast); otherwise, and in debug mode, the
+        check runs before the data starts. Only a call of 64 KiB or more is handed to the issue
+        thread.
 
         A call that cannot be checked (no twin, debug mode off) runs the same lines whatever its
         size (tests/test_scale_percall.py counts them at 64 and 4,096 ranks)."""

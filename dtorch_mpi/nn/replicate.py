@@ -267,8 +267,8 @@ class _Replicated:
             self.fixed = True
 
     def _unused_everywhere(self) -> set[int]:
-        """The parameters no rank had a gradient for in this backward (one all-reduce of a
-        byte per parameter: DDP's used bitmap): their ``.grad`` stays None."""
+        """The parameters no rank had a gradient for in this backward (one all-reduce of an
+        int64 per parameter: DDP's used bitmap): their ``.grad`` stays None."""
         here = [0 if i in self.absent else 1 for i in range(len(self.params))]
         low = agreed_min(self.mesh.get_comm(), None, [-u for u in here])  # (the least of -used: -max)
         return {i for i, u in enumerate(low) if u == 0}
