@@ -6,8 +6,7 @@ Under mpiexec. ``--layers`` float64 ``Linear(H, H)`` layers (H = ``--hidden``) u
 same initial parameters), a batch of ``--batch`` rows per rank sharded over the ranks. One
 case = zero the gradients, forward, MSE loss, backward (the all-reduces included). Cases run
 in rotation within every repeat; medians of the slowest rank. With the flag every bucket is
-reduced at the end of backward (no overlap with it), each gradient is packed into the
-bucket's buffer, and one more all-reduce (an int64 per parameter) tells which parameters no
+reduced at the end of backward (no overlap with it), and one more all-reduce (an int64 per parameter) tells which parameters no
 rank used (docs/training.md). BLAS runs one thread per rank (set before NumPy loads).
 """
 

@@ -160,16 +160,14 @@ class _Replicated:
         xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
         for (op, dtype, _dim), items in runs.items():
             if self.find_unused:  # every parameter's term, zeros where it has no gradient here
-                terms = [self._term(i) for i, _ in items]
-                flat = pool.empty(xp, sum(t.size for t in terms), dtype)
-                xp.concatenate([t.reshape(-1) for t in terms], out=flat)
+                pieces = [self._term(i) for i, _ in items]
             else:
                 pieces = [self.params[i].grad.to_local() for i, _ in items]  # type: ignore[union-attr]
-                if len(pieces) == 1 and pieces[0].flags.c_contiguous:
-                    flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
-                else:
-                    flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
-                    xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
+            if len(pieces) == 1 and pieces[0].flags.c_contiguous:
+                flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
+            else:
+                flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
+                xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
             # the check compares which gradients the bucket holds: ranks whose forwards used
             # different parameters of equal shapes (an expert each) get an error, not a sum of
             # each other's gradients
@@ -258,10 +256,11 @@ class _Replicated:
                 top = np.iinfo(np.int64).max
                 order = agreed_min(self.mesh.get_comm(), None, order if self.mesh.get_comm().Get_rank() == 0
                                    else [top] * len(order)).tolist()
-            require_same(self.mesh.get_comm(), {"order": tuple(order)},
-                         what="replicate: the order gradients complete in during backward (the reverse "
-                              "order of use of the parameters; every rank must run the same forward, or "
-                              "pass find_unused_parameters=True)")
+            else:
+                require_same(self.mesh.get_comm(), {"order": tuple(order)},
+                             what="replicate: the order gradients complete in during backward (the reverse "
+                                  "order of use of the parameters; every rank must run the same forward, or "
+                                  "pass find_unused_parameters=True)")
             self.buckets = _cut(order, self.params, self.bucket_bytes)
             self.bucket_of = self._index()
             self.fixed = True
