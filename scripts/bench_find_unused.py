@@ -6,8 +6,9 @@ Under mpiexec. ``--layers`` float64 ``Linear(H, H)`` layers (H = ``--hidden``) u
 same initial parameters), a batch of ``--batch`` rows per rank sharded over the ranks. One
 case = zero the gradients, forward, MSE loss, backward (the all-reduces included). Cases run
 in rotation within every repeat; medians of the slowest rank. With the flag every bucket is
-reduced at the end of backward (no overlap with it), and one more all-reduce (an int64 per parameter) tells which parameters no
-rank used (docs/training.md). BLAS runs one thread per rank (set before NumPy loads).
+reduced at the end of backward (no overlap with it), after one more all-reduce (two int64 per
+parameter: which parameters no rank used, and the least rank holding a ``Replicate`` gradient;
+docs/training.md). BLAS runs one thread per rank (set before NumPy loads).
 """
 
 from __future__ import annotations

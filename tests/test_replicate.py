@@ -9,6 +9,7 @@ test_training.py (plan replicate). Every test but the MPI-call trace runs per ar
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import numpy as np
@@ -188,6 +189,55 @@ def test_refusals(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
         dt.replicate(model, mesh=mesh1d)
 
 
+@pytest.mark.skipif(SIZE == 1, reason="needs two ranks to differ")
+def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.DeviceMesh) -> None:
+    """replicate is collective on its mesh, as DDP's constructor (which checks its parameters'
+    shapes across the ranks): ranks whose models differ, or whose options do, raise
+    SPMDDivergenceError in replicate on every rank, naming what differs."""
+    dt.manual_seed(0)
+    with pytest.raises(dt.SPMDDivergenceError, match=r"Tower's parameters \(names, shapes, dtypes\) differ"):
+        dt.replicate(Tower(3 if RANK == 0 else 4, mesh1d), mesh=mesh1d)
+    with pytest.raises(dt.SPMDDivergenceError, match="bucket_bytes differs between ranks"):
+        dt.replicate(Tower(3, mesh1d), mesh=mesh1d, bucket_bytes=0 if RANK == 0 else 200)
+
+
+class _Siblings(nn.Module):
+    """Two layers of one shape side by side; ``route`` names the one that runs."""
+
+    def __init__(self, mesh: dt.DeviceMesh) -> None:
+        super().__init__()
+        self.c = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.d = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
+        self.route = "cd"
+
+    def forward(self, x: dt.DTensor) -> dt.DTensor:
+        outs = [getattr(self, name)(x) for name in self.route]
+        return outs[0] + outs[1] if len(outs) == 2 else outs[0]
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs two ranks to route apart")
+@pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
+def test_siblings_replicated_separately_are_told_apart(mesh1d: dt.DeviceMesh, bucket: int) -> None:
+    """Two sibling layers of one shape, each replicated on its own: their buckets hold
+    parameters of the same names (``weight``, ``bias``), so ranks that ran different siblings
+    paired them and summed one sibling's gradient into the other's, silently. Each wrapper's
+    number on the mesh (the order every rank wrapped in) is in the bucket's text: every rank
+    raises SPMDDivergenceError naming both."""
+    dt.manual_seed(0)
+    model = _Siblings(mesh1d)
+    for name in ("c", "d"):
+        dt.replicate(model.get_submodule(name), mesh=mesh1d, bucket_bytes=bucket)
+    x, y = _data(mesh1d)
+    F.mse_loss(model(x), y).backward()
+    for p in model.parameters():
+        p.grad = None
+    model.route = _own_route()
+    with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+        F.mse_loss(model(x), y).backward()
+    numbers = re.findall(r"replicate #(\d+) \(Linear\) bucket of", str(err.value))
+    assert len(set(numbers)) == 2, str(err.value)  # (c's wrapper and d's)
+
+
 @pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
 def test_a_second_backward_adds_to_reduced_gradients(mesh1d: dt.DeviceMesh, bucket: int, check: Checker) -> None:
     """Without zero_grad, a backward adds to the Replicate gradients of the previous one, as
@@ -309,14 +359,18 @@ def _own_route() -> str:
 
 
 def _summed_by_hand(mesh: dt.DeviceMesh, model: nn.Module) -> dict[str, np.ndarray | None]:
-    """The reference: each rank's own gradient terms (zeros where it has none), summed across
-    the ranks by a raw MPI all-reduce; None where no rank has a gradient."""
+    """The reference: each rank's own gradient terms (zeros where it has none; a ``Replicate``
+    gradient, the whole one, only from the least rank holding one), summed across the ranks by
+    a raw MPI all-reduce; None where no rank has a gradient."""
     from mpi4py import MPI
 
     comm = mesh.get_comm()
     out: dict[str, np.ndarray | None] = {}
     for name, p in model.named_parameters():
-        mine = np.zeros(p.shape) if p.grad is None else np.ascontiguousarray(to_numpy(p.grad.to_local()))
+        whole = p.grad is not None and p.grad.placements == (R,)  # (used on replicated data)
+        first = comm.allreduce(comm.Get_rank() if whole else comm.Get_size(), op=MPI.MIN)
+        counted = p.grad is not None and (not whole or comm.Get_rank() == first)
+        mine = np.ascontiguousarray(to_numpy(p.grad.to_local())) if counted else np.zeros(p.shape)
         total = np.empty_like(mine)
         comm.Allreduce(mine, total, op=MPI.SUM)
         anyone = comm.allreduce(p.grad is not None, op=MPI.LOR)
@@ -324,7 +378,7 @@ def _summed_by_hand(mesh: dt.DeviceMesh, model: nn.Module) -> dict[str, np.ndarr
     return out
 
 
-@pytest.mark.parametrize("case", ["plain", "gather", "zeros", "none"])
+@pytest.mark.parametrize("case", ["plain", "gather", "zeros", "none", "replicated"])
 @pytest.mark.parametrize("first", ["routed", "uniform"], ids=["routed-from-the-start", "after-a-uniform-step"])
 @pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
 def test_find_unused_parameters_reduces_what_each_rank_used(mesh1d: dt.DeviceMesh, bucket: int, first: str,
@@ -339,8 +393,13 @@ def test_find_unused_parameters_reduces_what_each_rank_used(mesh1d: dt.DeviceMes
     rank started in its hook had met it in another order); ``zeros``, ``zero_grad
     (set_to_none=False)`` (a zero ``Replicate`` gradient is a term like any); ``none``, only
     the experts replicated and rank 1 runs none of them (its backward reaches no parameter of
-    the replicated module, and still adds its zeros)."""
+    the replicated module, and still adds its zeros); ``replicated``, the batch replicated, so
+    every gradient is ``Replicate`` (the whole gradient: it counts once, from the least rank
+    holding one; expert d, run by odd ranks only, came back as zeros when coordinate 0 counted
+    it as accumulation does)."""
     x, y = _data(mesh1d)
+    if case == "replicated":
+        x, y = x.redistribute(placements=[R]), y.redistribute(placements=[R])
     models = []
     for _ in range(2):
         dt.manual_seed(0)

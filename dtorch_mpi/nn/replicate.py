@@ -63,7 +63,7 @@ from ..redistribute.planner import StepKind
 from ..spmd import agreed_min, require_same
 from .module import Module, Parameter
 from .utils import BUCKET_BYTES
-from .wrapping import check_module_and_dp_mesh, output_tensors
+from .wrapping import agree_on_wrapping, check_module_and_dp_mesh, output_tensors
 
 
 @dataclass
@@ -96,11 +96,13 @@ class _Replicated:
     """The bucket layout and the running backward's reduction state of one module."""
 
     def __init__(self, module: Module, mesh: DeviceMesh, params: list[Parameter], bucket_bytes: int,
-                 names: list[str], find_unused: bool) -> None:
+                 names: list[str], find_unused: bool, title: str) -> None:
         self.module, self.mesh, self.params, self.bucket_bytes = module, mesh, params, bucket_bytes
         self.names = names  # each parameter's name in the module (what the divergence check shows)
+        self.title = title  # "replicate #n (Class)": which wrapper on the mesh (the divergence check)
         self.find_unused = find_unused  # a parameter without a gradient here adds zeros to its bucket
-        self.absent: set[int] = set()  # parameters without a gradient here in this backward (find_unused)
+        self.absent: set[int] = set()  # parameters no rank had a gradient for in this backward (find_unused)
+        self.holder: list[int] = []  # per parameter, the least rank holding a Replicate gradient (find_unused)
         self.raised: BaseException | None = None  # what the last backward's end raised
         self.fixed = False  # the layout follows an observed order checked across ranks
         self.buckets = _cut(list(range(len(params)))[::-1], params, bucket_bytes)
@@ -122,7 +124,7 @@ class _Replicated:
         if self.backward.join(self.discard, self.finish):
             for b in self.buckets:
                 b.waiting, b.started, b.flights = len(b.params), False, []
-            self.seen, self.ready, self.next, self.absent = [], set(), 0, set()
+            self.seen, self.ready, self.next, self.absent, self.holder = [], set(), 0, set(), []
 
     def output_reached(self, _grad: Any) -> None:
         """(``find_unused_parameters``) The backward reached the module's output: join it, so
@@ -206,20 +208,35 @@ class _Replicated:
         or not it has a gradient here (the ranks' buckets then match whatever each used)."""
         runs: dict[tuple[Any, ...], list[tuple[int, Any]]] = {}
         for i in bucket.params:
-            p = self.params[i]
-            if p.grad is None:
-                self.absent.add(i)
-            runs.setdefault(("sum", p.dtype, 0), []).append((i, None))
+            runs.setdefault(("sum", self.params[i].dtype, 0), []).append((i, None))
         return runs, []
+
+    def _agree_terms(self) -> None:
+        """(``find_unused_parameters``, before the buckets start) One all-reduce of two int64
+        per parameter (DDP's used bitmap, and more): which parameters no rank had a gradient
+        for (their ``.grad`` stays None) and, per parameter, the least rank holding a
+        ``Replicate`` gradient (the one whose term counts it: see ``_term``)."""
+        n, rank = len(self.params), self.mesh.get_comm().Get_rank()
+        top = np.iinfo(np.int64).max
+        grads = [p.grad for p in self.params]
+        low = agreed_min(self.mesh.get_comm(), None,
+                         [0 if g is None else -1 for g in grads]  # (the least of -used: -max)
+                         + [rank if g is not None and g.placements == (Replicate(),) else top for g in grads])
+        self.absent = {i for i in range(n) if low[i] == 0}
+        self.holder = low[n:].tolist()
 
     def _term(self, i: int) -> Any:
         """Parameter ``i``'s term of the sum (``find_unused_parameters``): its gradient as
-        ``Partial("sum")`` (a ``Replicate`` one counts at coordinate 0, as accumulation does),
-        zeros where it has none."""
+        ``Partial("sum")``; a ``Replicate`` one (the whole gradient: a parameter used on
+        replicated data) counts once, on the least rank holding one, zeros elsewhere; zeros
+        where it has none. (Accumulation's rule, coordinate 0, would lose a gradient only ranks
+        other than 0 hold.)"""
         p, g = self.params[i], self.params[i].grad
-        if g is None:
-            return array_namespace(self.mesh.device_type).zeros(p.to_local().shape, dtype=p.dtype)
-        return convert_locally(g, (Partial("sum"),))
+        if g is not None and g.placements != (Replicate(),):
+            return convert_locally(g, (Partial("sum"),))
+        if g is not None and self.holder[i] == self.mesh.get_comm().Get_rank():
+            return g.to_local()
+        return array_namespace(self.mesh.device_type).zeros(p.to_local().shape, dtype=p.dtype)
 
     def _group(self, items: list[tuple[int, Any]]) -> Group:
         """The group the bucket's all-reduce runs on: its plan's, else the mesh's (as it is now:
@@ -229,8 +246,9 @@ class _Replicated:
     def _describe(self, items: list[tuple[int, Any]], missing: list[str]) -> Callable[[], str]:
         """The text the divergence check compares for a packed bucket (evaluated only when a
         check runs): the gradients it holds, by name, in order, and the bucket's parameters
-        without a gradient here (a rank-dependent forward: the hint names the flag)."""
-        held = "replicate bucket of " + ", ".join(self.names[i] for i, _ in items) if items else "replicate bucket"
+        without a gradient here (a rank-dependent forward: the hint names the flag), after the
+        wrapper's number on the mesh (siblings replicated separately hold equal names)."""
+        held = f"{self.title} bucket" + (" of " + ", ".join(self.names[i] for i, _ in items) if items else "")
         unused = (f"{';' if items else ' with'} no gradient here for {', '.join(missing)} (unused in this "
                   f"backward; replicate(..., find_unused_parameters=True) reduces zeros for it)") if missing else ""
         return lambda: held + unused
@@ -240,12 +258,13 @@ class _Replicated:
         """Start what waits, in order; wait; set every reduced ``.grad``; fix the layout after
         the first backward (checked across ranks)."""
         try:
+            if self.find_unused:
+                self._agree_terms()
             for bucket in self.buckets[self.next:]:
                 self.start(bucket, last=True)  # (the end of backward: waited for at once)
             self.next = len(self.buckets)
-            unused = self._unused_everywhere() if self.find_unused else set()
             for bucket in self.buckets:
-                self._land(bucket, unused)
+                self._land(bucket)
         except BaseException as exc:
             self.raised = exc  # (the next backward's discard does not raise it again)
             raise
@@ -265,14 +284,7 @@ class _Replicated:
             self.bucket_of = self._index()
             self.fixed = True
 
-    def _unused_everywhere(self) -> set[int]:
-        """The parameters no rank had a gradient for in this backward (one all-reduce of an
-        int64 per parameter: DDP's used bitmap): their ``.grad`` stays None."""
-        here = [0 if i in self.absent else 1 for i in range(len(self.params))]
-        low = agreed_min(self.mesh.get_comm(), None, [-u for u in here])  # (the least of -used: -max)
-        return {i for i, u in enumerate(low) if u == 0}
-
-    def _land(self, bucket: _Bucket, unused: set[int]) -> None:
+    def _land(self, bucket: _Bucket) -> None:
         flights, bucket.flights = bucket.flights, []
         for items, work, out in flights:
             if out is None:  # a redistributed gradient
@@ -287,7 +299,7 @@ class _Replicated:
                 if self.find_unused:  # (every parameter's term: the sum lands unless no rank had one)
                     shape = p.to_local().shape
                     n = math.prod(shape)
-                    if i not in unused:
+                    if i not in self.absent:
                         p.grad = DTensor(out[at:at + n].reshape(shape), p.spec)
                     at += n
                     continue
@@ -341,8 +353,9 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
     ``module.no_sync()`` (gradient accumulation). ``find_unused_parameters`` (DDP's): the
     forward may use different parameters on different ranks (rank-dependent routing); every
     bucket is reduced at the end of backward (after every other collective of the backward,
-    on every rank alike), a rank without a parameter's gradient adding zeros, and a parameter
-    no rank used keeps ``.grad`` None (one more small all-reduce per backward). Returns the
+    on every rank alike), a rank without a parameter's gradient adding zeros (a ``Replicate``
+    gradient counts once, from the least rank holding one), and a parameter no rank used keeps
+    ``.grad`` None (one more small all-reduce per backward). Returns the
     module; see docs/training.md."""
     check_module_and_dp_mesh("replicate", module, mesh)
     if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
@@ -356,12 +369,16 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
         raise ValueError("replicate: this module is fully_shard-ed; use one data-parallel wrapper")
     params = [p for p in module.parameters() if p.requires_grad]
     names = {id(p): name for name, p in module.named_parameters()}
-    for name, p in module.named_parameters():
-        if p.device_mesh != mesh or p.placements != (Replicate(),):
-            raise PlacementError(
-                f"replicate: parameter {name} is placed {list(p.placements)} on {p.device_mesh!r}; replicate "
-                f"takes parameters Replicate on the mesh given ({mesh!r}): build the module on that mesh")
-    state = _Replicated(module, mesh, params, bucket_bytes, [names[id(p)] for p in params], find_unused_parameters)
+    misplaced = next(((name, p) for name, p in module.named_parameters()
+                      if p.device_mesh != mesh or p.placements != (Replicate(),)), None)
+    problem = None if misplaced is None else PlacementError(
+        f"replicate: parameter {misplaced[0]} is placed {list(misplaced[1].placements)} on "
+        f"{misplaced[1].device_mesh!r}; replicate takes parameters Replicate on the mesh given ({mesh!r}): build the "
+        f"module on that mesh")
+    serial = agree_on_wrapping("replicate", module, mesh, {"bucket_bytes": bucket_bytes,
+                                                           "find_unused_parameters": find_unused_parameters}, problem)
+    state = _Replicated(module, mesh, params, bucket_bytes, [names[id(p)] for p in params], find_unused_parameters,
+                        f"replicate #{serial} ({type(module).__name__})")
     for i, p in enumerate(params):
         register_post_accumulate_grad_hook(p, _on_grad_complete(state, i))
     if find_unused_parameters:  # a rank whose backward reaches none of the parameters joins it too

@@ -1,14 +1,18 @@
-"""What every data-parallel wrapper (``fully_shard``, ``replicate``) checks of its arguments, and
-the tensors of a forward's output it hooks."""
+"""What every data-parallel wrapper (``fully_shard``, ``replicate``) checks of its arguments, the
+wrapping agreed across the mesh, and the tensors of a forward's output it hooks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ..dtensor import DTensor
 from ..mesh import DeviceMesh
+from ..spmd import require_same
 from .module import Module
+
+_WRAPPED: dict[tuple[Any, ...], "itertools.count[int]"] = {}  # per set of mesh ranks: wrappers made on it
 
 
 def check_module_and_dp_mesh(api: str, module: Any, mesh: Any) -> None:
@@ -21,6 +25,26 @@ def check_module_and_dp_mesh(api: str, module: Any, mesh: Any) -> None:
     if mesh.ndim != 1:
         raise ValueError(f"{api} needs a 1-D mesh (the data-parallel dim), got a {mesh.ndim}-D mesh; "
                          f"pass a sub-mesh such as mesh['dp']")
+
+
+def agree_on_wrapping(api: str, module: Module, mesh: DeviceMesh, options: Mapping[str, object],
+                      problem: BaseException | None = None) -> int:
+    """The wrapper's number on ``mesh`` (0, 1, ... in the order every rank wraps), checked
+    across the mesh's ranks together with the module's parameters (names, shapes, dtypes) and
+    ``options``: one small all-reduce, as DDP's constructor verifies its parameters' shapes.
+    A wrapper is collective on its mesh, so the number names it alike on every rank: the
+    divergence check then tells apart sibling modules wrapped separately, which hold
+    parameters of the same names and shapes. ``problem`` (this rank's own refusal) raises on
+    every rank."""
+    serial = next(_WRAPPED.setdefault((mesh.device_type, tuple(mesh.mesh.ravel().tolist())), itertools.count()))
+    params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters())
+    require_same(mesh.get_comm(), {"wrapped before": serial, "parameters": params, **options}, what={
+        "wrapped before": f"{api}: the ranks of the mesh wrapped different numbers of modules on it before this "
+                          f"one ({api} is collective on its mesh: every rank wraps the same modules, in the same order)",
+        "parameters": f"{api}: the {type(module).__name__}'s parameters (names, shapes, dtypes) differ between "
+                      f"ranks; every rank must build the same model",
+        **{name: f"{api}: {name} differs between ranks" for name in options}}, problem=problem)
+    return serial
 
 
 def output_tensors(out: Any) -> Iterator[DTensor]:
