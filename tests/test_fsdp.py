@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 import tracemalloc
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from backend_meshes import mesh1d_per_backend, mesh2d_per_backend  # noqa: F401 (fixtures: this module's meshes, per array backend)
-from conftest import SIZE, Checker, lengths_for, to_numpy
+from conftest import RANK, SIZE, Checker, lengths_for, to_numpy
 from helpers import Branches
 
 import dtorch_mpi as dt
@@ -457,6 +458,37 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
         check.equal(p.grad.to_torch(), want[k], f"{k} grad after a failed backward", exact=False, rtol=0, atol=1e-14)
     check.true(all(u.state == "free" for u in model._fsdp_unit.group.units), "every unit freed")
     check.done()
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs two ranks to differ")
+def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.DeviceMesh) -> None:
+    """fully_shard is collective on its mesh: ranks whose modules' parameters differ, or whose
+    options do, raise SPMDDivergenceError in fully_shard on every rank, naming what differs
+    (before, each sharded its own shape and the first gather paired what it could)."""
+    dt.manual_seed(0)
+    with pytest.raises(dt.SPMDDivergenceError, match=r"Linear's parameters \(names, shapes, dtypes\) differ"):
+        dt.fully_shard(nn.Linear(4, 3 if RANK == 0 else 5, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d)
+    with pytest.raises(dt.SPMDDivergenceError, match="reshard_after_forward differs between ranks"):
+        dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d,
+                       reshard_after_forward=RANK == 0)
+
+
+@pytest.mark.skipif(SIZE == 1, reason="needs two ranks to route apart")
+def test_blocks_sharded_without_a_root_are_told_apart(mesh1d: dt.DeviceMesh) -> None:
+    """Two sibling blocks of one shape, each sharded with no root over them: their gathers are
+    named by parameter (``weight``, ``bias``) and class alike, so ranks that ran different
+    blocks paired them and computed with each other's weights, silently. Each root's number
+    among the wrappers on the mesh is in the text: every rank raises SPMDDivergenceError
+    naming both."""
+    dt.manual_seed(0)
+    c = dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d)
+    d = dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d)
+    x = dt.distribute_tensor(np.random.default_rng(0).standard_normal((2 * SIZE, 4)), mesh1d, [S0])
+    mine = c if RANK % 2 == 0 else d
+    with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
+        (mine(x) ** 2).sum().backward()
+    numbers = re.findall(r"\(fully_shard unit Linear, root #(\d+)\)", str(err.value))
+    assert len(set(numbers)) == 2, str(err.value)  # (c's root and d's)
 
 
 # --- fully_shard x activation checkpointing ---------------------------------------------------

@@ -195,7 +195,7 @@ def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: d
         (model(x) ** 2).sum().backward()
     text = str(err.value)
     if plan == "fsdp":
-        assert "c.weight (fully_shard unit Linear)" in text or "d.weight (fully_shard unit Linear)" in text, text
+        assert "c.weight (fully_shard unit Linear, root #" in text or "d.weight (fully_shard unit Linear, root #" in text, text
     else:
         # (the first bucket that differs: one rank holds the expert's gradient, another makes a
         # checked call of nothing, whose text names the expert and find_unused_parameters)

@@ -75,7 +75,7 @@ from ..redistribute.planner import StepKind
 from ..spec import DTensorSpec
 from .deferred import is_deferred, materialize_as
 from .module import Module, Parameter
-from .wrapping import check_module_and_dp_mesh, output_tensors
+from .wrapping import agree_on_wrapping, check_module_and_dp_mesh, output_tensors
 
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
 _HUGE = 2 << 20  # bytes: a transparent huge page (x86-64, arm64 with 4 KiB pages)
@@ -186,6 +186,7 @@ class _Group:
     """The units of one root (merged bottom-up): the forward order and the backward state."""
 
     units: list["_Unit"] = field(default_factory=list)
+    number: int = 0  # the root's number among the wrappers on the mesh (agree_on_wrapping)
     order: list["_Unit"] = field(default_factory=list)  # the last complete forward pass
     current: list["_Unit"] = field(default_factory=list)
     active: int = 0  # units of the group inside their forward now
@@ -309,9 +310,9 @@ class _Unit:
         """The text the divergence check compares for a collective of ``slot`` (evaluated only
         when a check runs): ranks whose forwards reached different units of equal shapes (an
         expert each) get an error, not each other's shards. A unit is named by its module's
-        path under its root, which the same program gives alike on every rank (a counter of
-        units made would not: a rank may shard a model of its own). Blocks sharded without a
-        root have no path, only their class.
+        path under its root and by the root's number among the wrappers on the mesh, which
+        ``fully_shard`` (collective on its mesh) agrees across the ranks: blocks sharded
+        without a root are roots of their own, told apart by that number alone.
 
         The first call of each batch (a unit's gathers, the reduce-scatters one ``reduce``
         starts) is checked whatever its size (``call_context(every_size=True)``); the others
@@ -321,7 +322,7 @@ class _Unit:
         once): checking every call cost +12-25 % of a step of eight 64 x 64 layers at 2 ranks,
         the first of each batch +7 % (median of five interleaved runs)."""
         name = f"{self.path}.{slot.name}" if self.path else slot.name
-        return lambda: f"{what} of {name} (fully_shard unit {type(self.module).__name__})"
+        return lambda: f"{what} of {name} (fully_shard unit {type(self.module).__name__}, root #{self.group.number})"
 
     def shard_versions(self) -> tuple[int, ...]:
         """How many times each sharded parameter was changed in place (optimizer steps,
@@ -657,6 +658,8 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     check_module_and_dp_mesh("fully_shard", module, mesh)
     if _unit_of(module) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    number = agree_on_wrapping("fully_shard", module, mesh, {"reshard_after_forward": reshard_after_forward,
+                                                             "backward_prefetch": backward_prefetch})
     slots, inner = _claim(module, mesh)
     xp = array_namespace(mesh.device_type)
     for s in slots:
@@ -681,6 +684,7 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
         if s.gathered.requires_grad:
             register_post_accumulate_grad_hook(s.gathered, _on_grad_complete(unit, s))
     group = unit.group
+    group.number = number
     for child in inner:  # the new unit becomes the root of every inner unit's group
         group.units.extend(u for u in child.group.units if u not in group.units)
     paths = {id(m): name for name, m in module.named_modules()}
