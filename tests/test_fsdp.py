@@ -895,6 +895,38 @@ def test_gradient_sync_off_accumulates_without_reduce_scatters(mesh1d: dt.Device
     check.done()
 
 
+def test_a_failed_forward_keeps_the_accumulation_and_the_next_steps_train(mesh1d: dt.DeviceMesh,
+                                                                         check: Checker) -> None:
+    """A forward raising (a batch of the wrong width, after the first unit gathered and
+    prefetched the next) between micro-batches with sync off: its gathers complete and are
+    dropped, and the gradients accumulated before it are kept, so the next synced backward
+    reduces the sum of the micro-batches that ran, as the replicated model's accumulation."""
+    rng = np.random.default_rng(11)
+    batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(2)]
+    width = SIZE + 1
+    dt.manual_seed(0)
+    plain = Tower(width, mesh1d)
+    dt.manual_seed(0)
+    model = Tower(width, mesh1d)
+    _shard_all(model, mesh1d, True, ("a", "b"))
+    for i, (x, y) in enumerate(batches):
+        model.set_requires_gradient_sync(i == len(batches) - 1)
+        for m in (plain, model):
+            out = m(dt.distribute_tensor(x, mesh1d, [S0]))
+            F.mse_loss(out, dt.distribute_tensor(y, mesh1d, out.placements)).backward()
+        if i == 0:
+            with pytest.raises(ValueError):
+                model(dt.distribute_tensor(rng.standard_normal((5, 6)), mesh1d, [S0]))
+            check.true(all(u.state == "free" and not u.pending for u in model._fsdp_unit.group.units),
+                       "the failed forward's gathers left behind")
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
+                    f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    check.done()
+
+
 def test_a_failed_backward_with_sync_off_drops_the_whole_accumulation(mesh1d: dt.DeviceMesh,
                                                                       check: Checker) -> None:
     """A backward raising midway with sync off: the gradients accumulated since the last synced

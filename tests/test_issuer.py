@@ -166,10 +166,14 @@ class _Experts(nn.Module):
 @pytest.mark.parametrize("first", [True, False], ids=["experts-first", "shared-first"])
 @pytest.mark.parametrize("plan", ["fsdp", "replicate"])
 @pytest.mark.parametrize("width", [128, 32], ids=["128KiB", "8KiB"])
+@pytest.mark.parametrize("uniform_first", [True, False], ids=["after-a-step", "from-the-start"])
 def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: dt.DeviceMesh, mode: str, plan: str,
-                                                                          first: bool, width: int) -> None:
+                                                                          first: bool, width: int,
+                                                                          uniform_first: bool) -> None:
     """Rank 0 routes to expert ``c``, the others to ``d``, of equal shapes, after a step where
-    every rank ran both (the bucket layout fixed). The collectives pair up by shape alone, so
+    every rank ran both (the bucket layout fixed, fully_shard's forward order recorded: its
+    forward prefetches along it, the same calls on every rank, and the error comes in
+    backward), or from the first step (fully_shard's forward raises). The collectives pair up by shape alone, so
     before the check compared what they carry, every rank finished with the other expert's
     shards (fully_shard) or its gradient summed into its own (replicate's bucket). Now every
     rank raises SPMDDivergenceError naming what each carried, promptly: a checked call made
@@ -178,18 +182,22 @@ def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: d
     refuse it, until the collective deadline (without the refusal, the thread-mode replicate
     cases with the shared layer first waited there). Weights of 8 KiB were paired silently
     until the plans' calls were checked at any size."""
-    dt.manual_seed(0)
-    model = _Experts(mesh, first, width)
-    if plan == "fsdp":
-        for name in ("c", "d", "shared"):
-            dt.fully_shard(model.get_submodule(name), mesh=mesh)
-        dt.fully_shard(model, mesh=mesh)
-    else:
-        dt.replicate(model, mesh=mesh, bucket_bytes=0)
+    def build() -> nn.Module:
+        dt.manual_seed(0)
+        model = _Experts(mesh, first, width)
+        if plan == "fsdp":
+            for name in ("c", "d", "shared"):
+                dt.fully_shard(model.get_submodule(name), mesh=mesh)
+            return dt.fully_shard(model, mesh=mesh)
+        return dt.replicate(model, mesh=mesh, bucket_bytes=0)
+
+    model, fresh = build(), build()
     x = dt.distribute_tensor(np.random.default_rng(0).standard_normal((2 * SIZE, width)), mesh, [S0])
-    (model(x) ** 2).sum().backward()
-    for p in model.parameters():
-        p.grad = None
+    (fresh(x) ** 2).sum().backward()
+    if uniform_first:
+        (model(x) ** 2).sum().backward()
+        for p in model.parameters():
+            p.grad = None
     model.route = "c" if RANK == 0 else "d"
     with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
         (model(x) ** 2).sum().backward()
@@ -201,17 +209,17 @@ def test_ranks_routing_to_different_experts_raise_instead_of_mixing_them(mesh: d
         # checked call of nothing, whose text names the expert and find_unused_parameters)
         named = [e for e in ("c.weight", "d.weight") if f"(_Experts) bucket of {e}" in text]
         assert named and f"no gradient here for {named[0]}" in text and "find_unused_parameters=True" in text, text
-        # the next backward on the same model discards the failed one's flights (a refused
-        # one raises its error again: not raised twice) and reduces as a fresh model does
-        model.route = "cd"
+    # the next steps on the same model drop what the failed one left in flight (a refused
+    # call raises its error again: not raised twice) and compute as a fresh model does; a
+    # fully_shard model also forgets the forward order the ranks recorded apart, and a forward
+    # that raised forgets its gathers (before, every later step raised again)
+    model.route = "cd"
+    for step in range(2):
         for p in model.parameters():
             p.grad = None
         (model(x) ** 2).sum().backward()
-        dt.manual_seed(0)
-        fresh = dt.replicate(_Experts(mesh, first, width), mesh=mesh, bucket_bytes=0)
-        (fresh(x) ** 2).sum().backward()
         for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
-            np.testing.assert_array_equal(p.grad.to_local(), q.grad.to_local(), err_msg=name)
+            np.testing.assert_array_equal(p.grad.to_local(), q.grad.to_local(), err_msg=f"step {step}: {name}")
 
 
 def _model(plan: str, mesh: dt.DeviceMesh, seed: int) -> nn.Module:

@@ -65,7 +65,7 @@ from ..comm import backend_for, pool
 from ..comm.divergence import call_context
 from ..comm.issuer import deferred
 from ..dtensor import DTensor
-from ..errors import MeshMismatchError, PlacementError
+from ..errors import CollectiveTimeoutError, MeshMismatchError, PlacementError, SPMDDivergenceError
 from ..grad_mode import is_grad_enabled, no_grad
 from ..mesh import DeviceMesh
 from ..placement import Partial, Placement, Replicate, Shard
@@ -205,10 +205,35 @@ class _Group:
 
     def discard_backward(self) -> None:
         """Forget a failed backward's state: its reductions complete but add to no .grad."""
-        for _, wait, _ in self.reducing:
-            wait()
+        self.discard_step(drop_gathered_grads=True)
+
+    def settle(self) -> None:
+        """Before a forward or an ``unshard``: a backward that raised before its end (its end
+        callback never ran) is discarded now, not at the next backward's first hook, so the
+        forward starts from a clean group."""
+        if self.backward.frame is not None and current_backward() is None:
+            self.discard_backward()
+            self.backward.leave()
+
+    def discard_step(self, drop_gathered_grads: bool) -> None:
+        """Forget what a forward or backward that raised left: every collective it started
+        completes, its result and its error dropped (the error, a divergence or a call refused
+        after it, is the one the step raised, or follows from it: raised again, it would reach
+        some ranks only and part them); every unit is freed (a failed backward's gathered
+        gradients dropped; a forward's leaves those accumulated with sync off before it); and
+        the forward order is forgotten, so the next forward prefetches nothing and records it
+        anew. Ranks whose forwards differed (an expert each) recorded different orders, and
+        prefetching along them made every later step diverge again."""
+        waits = [wait for _, wait, _ in self.reducing]
         self.reducing = []
-        self.reset_units(drop_gathered_grads=True)
+        for unit in self.units:
+            waits.extend(unit.pending)
+            unit.pending = []
+        for wait in waits:
+            with contextlib.suppress(SPMDDivergenceError, CollectiveTimeoutError):
+                wait()
+        self.reset_units(drop_gathered_grads)
+        self.order, self.current = [], []
 
     def reset_units(self, drop_gathered_grads: bool) -> None:
         """Every unit as between backwards: freed, not reduced, no gradient ready (a failed
@@ -356,6 +381,7 @@ class _Unit:
         shards hold now, and should they change before the forward, the forward gathers
         again (``drop_if_stale``). For example, overlap the first unit's all-gather with
         loading the next batch. The module's attributes stay the shards until its forward."""
+        self.group.settle()
         self.drop_if_stale()  # a gather made before the shards last changed: made again
         if not async_op:
             self.gather()
@@ -392,10 +418,12 @@ class _Unit:
             return self.recompute(inner, *args, **kwargs)
         group = self.group
         if group.active == 0:
+            group.settle()
             group.current = []
         group.active += 1
         if self not in group.current:
             group.current.append(self)
+        failed = True
         try:
             self.drop_if_stale()
             self.gather()
@@ -412,10 +440,14 @@ class _Unit:
                 out = inner(*args, **kwargs)
             finally:
                 self.expose(False)
+            failed = False
         finally:
             group.active -= 1
             if group.active == 0:
-                group.order = group.current
+                if failed:  # (the error propagates: what the forward started is dropped)
+                    group.discard_step(drop_gathered_grads=False)
+                else:
+                    group.order = group.current
         training = is_grad_enabled() and any(s.gathered.requires_grad for s in self.slots)
         if training:
             for t in output_tensors(out):
