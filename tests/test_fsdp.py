@@ -464,13 +464,30 @@ def test_a_backward_that_raises_leaves_the_next_one_clean(mesh1d: dt.DeviceMesh,
 def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.DeviceMesh) -> None:
     """fully_shard is collective on its mesh: ranks whose modules' parameters differ, or whose
     options do, raise SPMDDivergenceError in fully_shard on every rank, naming what differs
-    (before, each sharded its own shape and the first gather paired what it could)."""
+    (before, each sharded its own shape and the first gather paired what it could); a refusal
+    on one rank raises on every rank, and the wrappers after it keep one number everywhere."""
     dt.manual_seed(0)
-    with pytest.raises(dt.SPMDDivergenceError, match=r"Linear's parameters \(names, shapes, dtypes\) differ"):
+    with pytest.raises(dt.SPMDDivergenceError, match=r"Linear's parameters \(names, shapes, dtypes, placements, meshes\) differ"):
         dt.fully_shard(nn.Linear(4, 3 if RANK == 0 else 5, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d)
     with pytest.raises(dt.SPMDDivergenceError, match="reshard_after_forward differs between ranks"):
         dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d,
                        reshard_after_forward=RANK == 0)
+    # placements are part of what every rank must share (what fully_shard refuses after the
+    # check, it reads from them): a weight sharded on one rank only raises on every rank
+    lone = nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64)
+    if RANK == 1:
+        lone.weight = nn.Parameter(lone.weight.redistribute(placements=[S0]))  # (no communication)
+    with pytest.raises(dt.SPMDDivergenceError, match=r"parameters \(names, shapes, dtypes, placements, meshes\) differ"):
+        dt.fully_shard(lone, mesh=mesh1d)
+    # a refusal on one rank (rank 0 shards its layer again) raises on every rank, and every
+    # rank counts the call, so the next unit's root has one number everywhere
+    first, other = dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d), \
+        nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64)
+    with pytest.raises(ValueError, match=r"already applied to this Linear \[on rank 0\]"):
+        dt.fully_shard(first if RANK == 0 else other, mesh=mesh1d)
+    last = dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d)
+    numbers = mesh1d.get_comm().allgather(last._fsdp_unit.group.number)
+    assert len(set(numbers)) == 1, numbers
 
 
 @pytest.mark.skipif(SIZE == 1, reason="needs two ranks to route apart")

@@ -193,12 +193,21 @@ def test_refusals(mesh1d: dt.DeviceMesh, mesh2d: dt.DeviceMesh) -> None:
 def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.DeviceMesh) -> None:
     """replicate is collective on its mesh, as DDP's constructor (which checks its parameters'
     shapes across the ranks): ranks whose models differ, or whose options do, raise
-    SPMDDivergenceError in replicate on every rank, naming what differs."""
+    SPMDDivergenceError in replicate on every rank, naming what differs; a refusal on one rank
+    raises on every rank, and the wrappers after it keep one number on every rank."""
     dt.manual_seed(0)
-    with pytest.raises(dt.SPMDDivergenceError, match=r"Tower's parameters \(names, shapes, dtypes\) differ"):
+    with pytest.raises(dt.SPMDDivergenceError, match=r"Tower's parameters \(names, shapes, dtypes, placements, meshes\) differ"):
         dt.replicate(Tower(3 if RANK == 0 else 4, mesh1d), mesh=mesh1d)
     with pytest.raises(dt.SPMDDivergenceError, match="bucket_bytes differs between ranks"):
         dt.replicate(Tower(3, mesh1d), mesh=mesh1d, bucket_bytes=0 if RANK == 0 else 200)
+    # a refusal on one rank (here: rank 0 wraps its model again) raises on every rank, and
+    # every rank counts the call, so the next wrapper has one number everywhere
+    first, other = dt.replicate(Tower(3, mesh1d), mesh=mesh1d), Tower(3, mesh1d)
+    with pytest.raises(ValueError, match=r"already applied to this Tower \[on rank 0\]"):
+        dt.replicate(first if RANK == 0 else other, mesh=mesh1d)
+    last = dt.replicate(Tower(3, mesh1d), mesh=mesh1d)
+    titles = mesh1d.get_comm().allgather(last._replicate_state.title)
+    assert len(set(titles)) == 1, titles
 
 
 class _Siblings(nn.Module):

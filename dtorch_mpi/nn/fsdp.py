@@ -215,25 +215,41 @@ class _Group:
             self.discard_backward()
             self.backward.leave()
 
-    def discard_step(self, drop_gathered_grads: bool) -> None:
-        """Forget what a forward or backward that raised left: every collective it started
-        completes, its result and its error dropped (the error, a divergence or a call refused
-        after it, is the one the step raised, or follows from it: raised again, it would reach
-        some ranks only and part them); every unit is freed (a failed backward's gathered
-        gradients dropped; a forward's leaves those accumulated with sync off before it); and
-        the forward order is forgotten, so the next forward prefetches nothing and records it
+    def discard_step(self, drop_gathered_grads: bool, cause: BaseException | None = None) -> None:
+        """Forget what a forward or backward that raised (``cause``, where known) left: every
+        collective it started completes, its result dropped, and a divergence it raises too
+        (the step's own, or a call refused after it: raised again, it would reach some ranks
+        only and part them); every unit is freed (a failed backward's gathered gradients
+        dropped; a forward's leaves those accumulated with sync off before it); and the
+        forward order is forgotten, so the next forward prefetches nothing and records it
         anew. Ranks whose forwards differed (an expert each) recorded different orders, and
-        prefetching along them made every later step diverge again."""
-        waits = [wait for _, wait, _ in self.reducing]
+        prefetching along them made every later step diverge again.
+
+        After a ``CollectiveTimeoutError`` (the cause, or met here: raised) the communicator is
+        unusable: nothing more is waited for (each wait would take a whole deadline), and the
+        units stay as they are, their buffers too (an abandoned collective may still write
+        into them); their next use waits again and times out again, never computes on
+        values that never came."""
+        timeout = cause if isinstance(cause, CollectiveTimeoutError) else None
+        if timeout is None:
+            waits = [wait for _, wait, _ in self.reducing] + [f for unit in self.units for f in unit.pending]
+            for wait in waits:
+                try:
+                    wait()
+                except SPMDDivergenceError:
+                    pass
+                except CollectiveTimeoutError as exc:
+                    timeout = exc
+                    break
+        self.order, self.current = [], []
+        if timeout is not None:
+            if timeout is not cause:
+                raise timeout
+            return
         self.reducing = []
         for unit in self.units:
-            waits.extend(unit.pending)
             unit.pending = []
-        for wait in waits:
-            with contextlib.suppress(SPMDDivergenceError, CollectiveTimeoutError):
-                wait()
         self.reset_units(drop_gathered_grads)
-        self.order, self.current = [], []
 
     def reset_units(self, drop_gathered_grads: bool) -> None:
         """Every unit as between backwards: freed, not reduced, no gradient ready (a failed
@@ -423,7 +439,7 @@ class _Unit:
         group.active += 1
         if self not in group.current:
             group.current.append(self)
-        failed = True
+        failure: BaseException | None = None
         try:
             self.drop_if_stale()
             self.gather()
@@ -440,12 +456,14 @@ class _Unit:
                 out = inner(*args, **kwargs)
             finally:
                 self.expose(False)
-            failed = False
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
             group.active -= 1
             if group.active == 0:
-                if failed:  # (the error propagates: what the forward started is dropped)
-                    group.discard_step(drop_gathered_grads=False)
+                if failure is not None:  # (it propagates: what the forward started is dropped)
+                    group.discard_step(drop_gathered_grads=False, cause=failure)
                 else:
                     group.order = group.current
         training = is_grad_enabled() and any(s.gathered.requires_grad for s in self.slots)
@@ -688,10 +706,10 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     parameters) and ``set_requires_gradient_sync(flag, *, recurse=True)`` (gradient
     accumulation without reduce-scatters)."""
     check_module_and_dp_mesh("fully_shard", module, mesh)
-    if _unit_of(module) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    again = None if _unit_of(module) is None else ValueError(
+        f"fully_shard was already applied to this {type(module).__name__}")
     number = agree_on_wrapping("fully_shard", module, mesh, {"reshard_after_forward": reshard_after_forward,
-                                                             "backward_prefetch": backward_prefetch})
+                                                             "backward_prefetch": backward_prefetch}, again)
     slots, inner = _claim(module, mesh)
     xp = array_namespace(mesh.device_type)
     for s in slots:

@@ -212,18 +212,26 @@ class _Replicated:
         return runs, []
 
     def _agree_terms(self) -> None:
-        """(``find_unused_parameters``, before the buckets start) One all-reduce of two int64
-        per parameter (DDP's used bitmap, and more): which parameters no rank had a gradient
-        for (their ``.grad`` stays None) and, per parameter, the least rank holding a
-        ``Replicate`` gradient (the one whose term counts it: see ``_term``)."""
+        """(``find_unused_parameters``, before the buckets start) One all-reduce (MIN) of two
+        int64 per parameter (DDP's used bitmap, and more): which parameters no rank had a
+        gradient for (their ``.grad`` stays None) and, per parameter, the least rank holding a
+        ``Replicate`` gradient (the one whose term counts it: see ``_term``). A checked call,
+        named by the wrapper, like the buckets after it: ranks whose end callbacks ran two
+        wrappers in different orders get an error, not each other's bitmaps."""
         n, rank = len(self.params), self.mesh.get_comm().Get_rank()
         top = np.iinfo(np.int64).max
         grads = [p.grad for p in self.params]
-        low = agreed_min(self.mesh.get_comm(), None,
-                         [0 if g is None else -1 for g in grads]  # (the least of -used: -max)
-                         + [rank if g is not None and g.placements == (Replicate(),) else top for g in grads])
-        self.absent = {i for i in range(n) if low[i] == 0}
-        self.holder = low[n:].tolist()
+        xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
+        mine = xp.asarray(np.array([0 if g is None else -1 for g in grads]  # (the least of -used: -max)
+                                   + [rank if g is not None and g.placements == (Replicate(),) else top for g in grads],
+                                   dtype=np.int64))
+        low = xp.empty_like(mine)
+        with call_context(lambda: f"{self.title}: which parameters have a gradient (find_unused_parameters)",
+                          every_size=True):
+            backend.all_reduce(self._group([]), mine, low, "min")
+        agreed = (low.get() if hasattr(low, "get") else low).tolist()  # (a device array: to the host)
+        self.absent = {i for i in range(n) if agreed[i] == 0}
+        self.holder = agreed[n:]
 
     def _term(self, i: int) -> Any:
         """Parameter ``i``'s term of the sum (``find_unused_parameters``): its gradient as
@@ -345,6 +353,26 @@ def _on_grad_complete(state: _Replicated, i: int) -> Any:
     return lambda _leaf: state.grad_complete(i)
 
 
+def _refusal(module: Module, mesh: DeviceMesh, bucket_bytes: Any, find_unused_parameters: Any) -> Exception | None:
+    """Why ``replicate`` refuses these arguments on this rank (None: it does not); agreed with
+    the other ranks (``agree_on_wrapping``), so a refusal on one rank raises on every rank."""
+    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
+        return ValueError(f"replicate: bucket_bytes must be a non-negative int (bytes per bucket; 0: one "
+                          f"all-reduce per gradient), got {bucket_bytes!r}")
+    if not isinstance(find_unused_parameters, bool):
+        return TypeError(f"replicate: find_unused_parameters must be True or False, got {find_unused_parameters!r}")
+    if "_replicate_state" in module.__dict__:
+        return ValueError(f"replicate was already applied to this {type(module).__name__}")
+    if "_fsdp_unit" in module.__dict__:
+        return ValueError("replicate: this module is fully_shard-ed; use one data-parallel wrapper")
+    for name, p in module.named_parameters():
+        if p.device_mesh != mesh or p.placements != (Replicate(),):
+            return PlacementError(
+                f"replicate: parameter {name} is placed {list(p.placements)} on {p.device_mesh!r}; replicate "
+                f"takes parameters Replicate on the mesh given ({mesh!r}): build the module on that mesh")
+    return None
+
+
 def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BYTES,
               find_unused_parameters: bool = False) -> Module:
     """Data parallel over the 1-D ``mesh``: every parameter must be ``Replicate`` there; during
@@ -358,25 +386,11 @@ def replicate(module: Module, *, mesh: DeviceMesh, bucket_bytes: int = BUCKET_BY
     ``.grad`` None (one more small all-reduce per backward). Returns the
     module; see docs/training.md."""
     check_module_and_dp_mesh("replicate", module, mesh)
-    if not isinstance(bucket_bytes, int) or isinstance(bucket_bytes, bool) or bucket_bytes < 0:
-        raise ValueError(f"replicate: bucket_bytes must be a non-negative int (bytes per bucket; 0: one "
-                         f"all-reduce per gradient), got {bucket_bytes!r}")
-    if not isinstance(find_unused_parameters, bool):
-        raise TypeError(f"replicate: find_unused_parameters must be True or False, got {find_unused_parameters!r}")
-    if "_replicate_state" in module.__dict__:
-        raise ValueError(f"replicate was already applied to this {type(module).__name__}")
-    if "_fsdp_unit" in module.__dict__:
-        raise ValueError("replicate: this module is fully_shard-ed; use one data-parallel wrapper")
+    serial = agree_on_wrapping("replicate", module, mesh, {"bucket_bytes": bucket_bytes,
+                                                           "find_unused_parameters": find_unused_parameters},
+                               _refusal(module, mesh, bucket_bytes, find_unused_parameters))
     params = [p for p in module.parameters() if p.requires_grad]
     names = {id(p): name for name, p in module.named_parameters()}
-    misplaced = next(((name, p) for name, p in module.named_parameters()
-                      if p.device_mesh != mesh or p.placements != (Replicate(),)), None)
-    problem = None if misplaced is None else PlacementError(
-        f"replicate: parameter {misplaced[0]} is placed {list(misplaced[1].placements)} on "
-        f"{misplaced[1].device_mesh!r}; replicate takes parameters Replicate on the mesh given ({mesh!r}): build the "
-        f"module on that mesh")
-    serial = agree_on_wrapping("replicate", module, mesh, {"bucket_bytes": bucket_bytes,
-                                                           "find_unused_parameters": find_unused_parameters}, problem)
     state = _Replicated(module, mesh, params, bucket_bytes, [names[id(p)] for p in params], find_unused_parameters,
                         f"replicate #{serial} ({type(module).__name__})")
     for i, p in enumerate(params):

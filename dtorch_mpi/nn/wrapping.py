@@ -30,19 +30,22 @@ def check_module_and_dp_mesh(api: str, module: Any, mesh: Any) -> None:
 def agree_on_wrapping(api: str, module: Module, mesh: DeviceMesh, options: Mapping[str, object],
                       problem: BaseException | None = None) -> int:
     """The wrapper's number on ``mesh`` (0, 1, ... in the order every rank wraps), checked
-    across the mesh's ranks together with the module's parameters (names, shapes, dtypes) and
-    ``options``: one small all-reduce, as DDP's constructor verifies its parameters' shapes.
-    A wrapper is collective on its mesh, so the number names it alike on every rank: the
-    divergence check then tells apart sibling modules wrapped separately, which hold
-    parameters of the same names and shapes. ``problem`` (this rank's own refusal) raises on
-    every rank."""
+    across the mesh's ranks together with the module's parameters (names, shapes, dtypes,
+    placements, meshes: all the wrapper reads of them, so what it refuses after this it
+    refuses on every rank) and ``options``: one small all-reduce, as DDP's constructor
+    verifies its parameters' shapes. A wrapper is collective on its mesh, so the number names
+    it alike on every rank: the divergence check then tells apart sibling modules wrapped
+    separately, which hold parameters of the same names and shapes. ``problem`` (this rank's
+    own refusal, checked before: an argument, a module wrapped already) raises on every rank,
+    and still takes the number, as on the others."""
     serial = next(_WRAPPED.setdefault((mesh.device_type, tuple(mesh.mesh.ravel().tolist())), itertools.count()))
-    params = tuple((name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters())
+    params = tuple((name, tuple(p.shape), str(p.dtype), repr(p.placements), p.device_mesh.identity)  # (a sub-mesh's
+                   for name, p in module.named_parameters())  # identity is the same on every rank; its ranks are not)
     require_same(mesh.get_comm(), {"wrapped before": serial, "parameters": params, **options}, what={
         "wrapped before": f"{api}: the ranks of the mesh wrapped different numbers of modules on it before this "
                           f"one ({api} is collective on its mesh: every rank wraps the same modules, in the same order)",
-        "parameters": f"{api}: the {type(module).__name__}'s parameters (names, shapes, dtypes) differ between "
-                      f"ranks; every rank must build the same model",
+        "parameters": f"{api}: the {type(module).__name__}'s parameters (names, shapes, dtypes, placements, "
+                      f"meshes) differ between ranks; every rank must build the same model",
         **{name: f"{api}: {name} differs between ranks" for name in options}}, problem=problem)
     return serial
 
