@@ -912,20 +912,37 @@ def test_gradient_sync_off_accumulates_without_reduce_scatters(mesh1d: dt.Device
     check.done()
 
 
+def _check_gradients_equal_reduced(plain: nn.Module, model: nn.Module, check: Checker) -> None:
+    """``model``'s gradients equal ``plain``'s (the replicated reference) reduced."""
+    nn.utils.reduce_gradients(list(plain.parameters()))
+    want = dict(plain.named_parameters())
+    for name, p in model.named_parameters():
+        check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
+                    f"{name} grad", exact=False, rtol=0, atol=1e-12)
+    check.done()
+
+
+def _accumulation_case(mesh: dt.DeviceMesh, seed: int,
+                       micro: int) -> tuple[np.random.Generator, list[tuple[np.ndarray, np.ndarray]], nn.Module, nn.Module]:
+    """``micro`` batches of 5 rows, a replicated Tower (the reference) and the same Tower
+    fully_shard-ed (units a, b and the root), widths not divisible by the rank count."""
+    rng = np.random.default_rng(seed)
+    batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(micro)]
+    dt.manual_seed(0)
+    plain = Tower(SIZE + 1, mesh)
+    dt.manual_seed(0)
+    model = Tower(SIZE + 1, mesh)
+    _shard_all(model, mesh, True, ("a", "b"))
+    return rng, batches, plain, model
+
+
 def test_a_failed_forward_keeps_the_accumulation_and_the_next_steps_train(mesh1d: dt.DeviceMesh,
                                                                          check: Checker) -> None:
     """A forward raising (a batch of the wrong width, after the first unit gathered and
     prefetched the next) between micro-batches with sync off: its gathers complete and are
     dropped, and the gradients accumulated before it are kept, so the next synced backward
     reduces the sum of the micro-batches that ran, as the replicated model's accumulation."""
-    rng = np.random.default_rng(11)
-    batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(2)]
-    width = SIZE + 1
-    dt.manual_seed(0)
-    plain = Tower(width, mesh1d)
-    dt.manual_seed(0)
-    model = Tower(width, mesh1d)
-    _shard_all(model, mesh1d, True, ("a", "b"))
+    rng, batches, plain, model = _accumulation_case(mesh1d, seed=11, micro=2)
     for i, (x, y) in enumerate(batches):
         model.set_requires_gradient_sync(i == len(batches) - 1)
         for m in (plain, model):
@@ -936,12 +953,7 @@ def test_a_failed_forward_keeps_the_accumulation_and_the_next_steps_train(mesh1d
                 model(dt.distribute_tensor(rng.standard_normal((5, 6)), mesh1d, [S0]))
             check.true(all(u.state == "free" and not u.pending for u in model._fsdp_unit.group.units),
                        "the failed forward's gathers left behind")
-    nn.utils.reduce_gradients(list(plain.parameters()))
-    want = dict(plain.named_parameters())
-    for name, p in model.named_parameters():
-        check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
-                    f"{name} grad", exact=False, rtol=0, atol=1e-12)
-    check.done()
+    _check_gradients_equal_reduced(plain, model, check)
 
 
 def test_a_failed_backward_with_sync_off_drops_the_whole_accumulation(mesh1d: dt.DeviceMesh,
@@ -949,14 +961,7 @@ def test_a_failed_backward_with_sync_off_drops_the_whole_accumulation(mesh1d: dt
     """A backward raising midway with sync off: the gradients accumulated since the last synced
     backward cannot be told apart from the failed one's partial ones, so all are dropped; the
     next synced backward's gradients are its own alone (not a silent mix)."""
-    rng = np.random.default_rng(7)
-    batches = [(rng.standard_normal((5, 4)), rng.standard_normal((5, 3))) for _ in range(3)]
-    width = SIZE + 1
-    dt.manual_seed(0)
-    plain = Tower(width, mesh1d)
-    dt.manual_seed(0)
-    model = Tower(width, mesh1d)
-    _shard_all(model, mesh1d, True, ("a", "b"))
+    _, batches, plain, model = _accumulation_case(mesh1d, seed=7, micro=3)
     model.set_requires_gradient_sync(False)
 
     def fail(_leaf: dt.DTensor) -> None:
@@ -977,12 +982,7 @@ def test_a_failed_backward_with_sync_off_drops_the_whole_accumulation(mesh1d: dt
         handle.remove()  # (the failed backward's state is discarded when the next one starts)
     out = plain(dt.distribute_tensor(batches[2][0], mesh1d, [S0]))
     F.mse_loss(out, dt.distribute_tensor(batches[2][1], mesh1d, out.placements)).backward()
-    nn.utils.reduce_gradients(list(plain.parameters()))
-    want = dict(plain.named_parameters())
-    for name, p in model.named_parameters():
-        check.equal(to_numpy(p.grad.to_torch()), to_numpy(want[name].grad.to_torch()),
-                    f"{name} grad", exact=False, rtol=0, atol=1e-12)
-    check.done()
+    _check_gradients_equal_reduced(plain, model, check)
 
 
 @pytest.mark.parametrize("root", [True, False], ids=["one_group", "blocks_without_root"])

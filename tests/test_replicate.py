@@ -210,20 +210,6 @@ def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.De
     assert len(set(titles)) == 1, titles
 
 
-class _Siblings(nn.Module):
-    """Two layers of one shape side by side; ``route`` names the one that runs."""
-
-    def __init__(self, mesh: dt.DeviceMesh) -> None:
-        super().__init__()
-        self.c = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.d = nn.Linear(4, 3, device_mesh=mesh, dtype=np.float64)
-        self.route = "cd"
-
-    def forward(self, x: dt.DTensor) -> dt.DTensor:
-        outs = [getattr(self, name)(x) for name in self.route]
-        return outs[0] + outs[1] if len(outs) == 2 else outs[0]
-
-
 @pytest.mark.skipif(SIZE == 1, reason="needs two ranks to route apart")
 @pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
 def test_siblings_replicated_separately_are_told_apart(mesh1d: dt.DeviceMesh, bucket: int) -> None:
@@ -233,18 +219,18 @@ def test_siblings_replicated_separately_are_told_apart(mesh1d: dt.DeviceMesh, bu
     number on the mesh (the order every rank wrapped in) is in the bucket's text: every rank
     raises SPMDDivergenceError naming both."""
     dt.manual_seed(0)
-    model = _Siblings(mesh1d)
-    for name in ("c", "d"):
+    model = Branches(mesh1d)
+    for name in ("a", "b"):
         dt.replicate(model.get_submodule(name), mesh=mesh1d, bucket_bytes=bucket)
     x, y = _data(mesh1d)
     F.mse_loss(model(x), y).backward()
     for p in model.parameters():
         p.grad = None
-    model.route = _own_route()
+    model.order = "a" if RANK % 2 == 0 else "b"
     with pytest.raises(dt.SPMDDivergenceError, match="different collective calls") as err:
         F.mse_loss(model(x), y).backward()
     numbers = re.findall(r"replicate #(\d+) \(Linear\) bucket of", str(err.value))
-    assert len(set(numbers)) == 2, str(err.value)  # (c's wrapper and d's)
+    assert len(set(numbers)) == 2, str(err.value)  # (a's wrapper and b's)
 
 
 @pytest.mark.parametrize("bucket", [0, nn.utils.BUCKET_BYTES])
