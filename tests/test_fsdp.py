@@ -467,7 +467,7 @@ def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.De
     (before, each sharded its own shape and the first gather paired what it could); a refusal
     on one rank raises on every rank, and the wrappers after it keep one number everywhere."""
     dt.manual_seed(0)
-    with pytest.raises(dt.SPMDDivergenceError, match=r"Linear's parameters \(names, shapes, dtypes, placements, meshes\) differ"):
+    with pytest.raises(dt.SPMDDivergenceError, match=r"Linear's parameters \(names, shapes, dtypes, placements, meshes, requires_grad\) differ"):
         dt.fully_shard(nn.Linear(4, 3 if RANK == 0 else 5, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d)
     with pytest.raises(dt.SPMDDivergenceError, match="reshard_after_forward differs between ranks"):
         dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d,
@@ -477,8 +477,13 @@ def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.De
     lone = nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64)
     if RANK == 1:
         lone.weight = nn.Parameter(lone.weight.redistribute(placements=[S0]))  # (no communication)
-    with pytest.raises(dt.SPMDDivergenceError, match=r"parameters \(names, shapes, dtypes, placements, meshes\) differ"):
+    with pytest.raises(dt.SPMDDivergenceError, match=r"parameters \(names, shapes, dtypes, placements, meshes, requires_grad\) differ"):
         dt.fully_shard(lone, mesh=mesh1d)
+    # the replicated parameters' values too (a checksum each): here each rank shards another
+    # sibling of the same shapes (their gathers would pair silently)
+    pair = Branches(mesh1d)
+    with pytest.raises(dt.SPMDDivergenceError, match="replicated parameters hold different values"):
+        dt.fully_shard(pair.a if RANK == 0 else pair.b, mesh=mesh1d)
     # a refusal on one rank (rank 0 shards its layer again) raises on every rank, and every
     # rank counts the call, so the next unit's root has one number everywhere
     first, other = dt.fully_shard(nn.Linear(4, 3, device_mesh=mesh1d, dtype=np.float64), mesh=mesh1d), \

@@ -196,10 +196,26 @@ def test_ranks_building_different_models_are_refused_on_every_rank(mesh1d: dt.De
     SPMDDivergenceError in replicate on every rank, naming what differs; a refusal on one rank
     raises on every rank, and the wrappers after it keep one number on every rank."""
     dt.manual_seed(0)
-    with pytest.raises(dt.SPMDDivergenceError, match=r"Tower's parameters \(names, shapes, dtypes, placements, meshes\) differ"):
+    with pytest.raises(dt.SPMDDivergenceError, match=r"Tower's parameters \(names, shapes, dtypes, placements, meshes, requires_grad\) differ"):
         dt.replicate(Tower(3 if RANK == 0 else 4, mesh1d), mesh=mesh1d)
     with pytest.raises(dt.SPMDDivergenceError, match="bucket_bytes differs between ranks"):
         dt.replicate(Tower(3, mesh1d), mesh=mesh1d, bucket_bytes=0 if RANK == 0 else 200)
+    # the replicated parameters' values too (a checksum each): ranks seeded differently, or
+    # each wrapping another sibling of the same shapes (their buckets would pair silently)
+    dt.manual_seed(RANK)
+    with pytest.raises(dt.SPMDDivergenceError,  # (DTORCH_SPMD_DEBUG=1 refuses the seeds at the first random call)
+                       match=r"replicated parameters hold different values|random state"):
+        dt.replicate(Tower(3, mesh1d), mesh=mesh1d)
+    dt.manual_seed(0)
+    pair = Branches(mesh1d)
+    with pytest.raises(dt.SPMDDivergenceError, match="replicated parameters hold different values"):
+        dt.replicate(pair.a if RANK == 0 else pair.b, mesh=mesh1d)
+    # (values made from the recipe, on a rank whose parameters are still deferred, agree with
+    # the piece a rank already made: here rank 0 read a weight before wrapping)
+    touched = Tower(3, mesh1d)
+    if RANK == 0:
+        touched.a.weight.to_local()
+    dt.replicate(touched, mesh=mesh1d)
     # a refusal on one rank (here: rank 0 wraps its model again) raises on every rank, and
     # every rank counts the call, so the next wrapper has one number everywhere
     first, other = dt.replicate(Tower(3, mesh1d), mesh=mesh1d), Tower(3, mesh1d)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..arrays import array_namespace
 from ..dtensor import DTensor
 from ..factory import Fill, make_piece
 from ..placement import Placement, normalize_placements
@@ -73,6 +74,20 @@ def deferred_parameter(spec: DTensorSpec, fill: Fill, requires_grad: bool = True
 def is_deferred(param: Any) -> bool:
     """True while ``param``'s piece has not been made."""
     return type(param) is DeferredParameter
+
+
+def leading_values(param: DTensor, count: int) -> Any:
+    """The first ``count`` (at most) values of a replicated ``param``'s first row, on the host:
+    made by its recipe where it is deferred (only those values, its piece still unmade), else
+    read from its piece. Equal on every rank that holds the same parameter."""
+    shape = tuple(param.shape)
+    block = tuple(1 for _ in shape[:-1]) + (min(shape[-1], count),) if shape else ()
+    if is_deferred(param):
+        xp = array_namespace(param.spec.mesh.device_type)
+        values = _SLOT.__get__(param, DTensor).fill(block, tuple(0 for _ in shape), xp)
+    else:
+        values = param.to_local()[tuple(slice(0, n) for n in block)]
+    return values.get() if hasattr(values, "get") else values  # (a device array: to the host)
 
 
 def materialize(param: Parameter, placements: tuple[Placement, ...] | list[Placement] | None = None) -> Parameter:
