@@ -20,3 +20,8 @@ def array_namespace(device_type: str) -> Any:
 def array_module_of(x: Any) -> Any:
     """The array module of a plain array: NumPy for ``np.ndarray``, CuPy otherwise."""
     return np if isinstance(x, np.ndarray) else array_namespace("cuda")
+
+
+def to_host(x: Any) -> Any:
+    """``x`` as a NumPy array: a CuPy array copied to the host, anything else as it is."""
+    return x.get() if hasattr(x, "get") and not isinstance(x, np.ndarray) else x

@@ -28,6 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._mpi import library_world, node_id
+from ..arrays import to_host
 from ..comm.deadline import wait_request
 from ..dtensor import DTensor
 from ..errors import CheckpointError
@@ -62,9 +63,7 @@ def _writer_piece(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...], Any] | 
     if any(isinstance(p, Replicate) and coord[k] != 0 for k, p in enumerate(t.placements)):
         return None
     shape, offset = t.spec.local_shape_and_offset
-    local = t.to_local()
-    if hasattr(local, "get"):
-        local = local.get()
+    local = to_host(t.to_local())
     return offset, shape, np.ascontiguousarray(local).reshape(shape)  # ascontiguousarray makes 0-d 1-d
 
 
@@ -108,8 +107,7 @@ class _Slab:
 
 def _complete(leaf: tree.Leaf) -> np.ndarray:
     """A complete array leaf (a NumPy array or an encoded scalar), C-contiguous with its shape."""
-    value = leaf.value.get() if hasattr(leaf.value, "get") and not isinstance(leaf.value, np.ndarray) else leaf.value
-    array = np.asarray(value)
+    array = np.asarray(to_host(leaf.value))
     if array.dtype.kind not in "biufc":
         raise CheckpointError(f"{leaf.key}: cannot save a NumPy array of dtype {array.dtype} "
                               f"(numbers and bools only; a str is saved as a Python str)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..arrays import array_namespace
+from ..arrays import array_namespace, to_host
 from ..dtensor import DTensor
 from ..factory import Fill, make_piece
 from ..placement import Placement, normalize_placements
@@ -87,7 +87,7 @@ def leading_values(param: DTensor, count: int) -> Any:
         values = _SLOT.__get__(param, DTensor).fill(block, tuple(0 for _ in shape), xp)
     else:
         values = param.to_local()[tuple(slice(0, n) for n in block)]
-    return values.get() if hasattr(values, "get") else values  # (a device array: to the host)
+    return to_host(values)
 
 
 def materialize(param: Parameter, placements: tuple[Placement, ...] | list[Placement] | None = None) -> Parameter:

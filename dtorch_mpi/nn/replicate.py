@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import to_host
 from ..autograd.accumulate import convert_locally
 from ..autograd.graph import BackwardJoin, register_hook, register_post_accumulate_grad_hook
 from ..comm import Group, backend_for, pool, progress
@@ -60,7 +61,7 @@ from ..mesh import DeviceMesh
 from ..placement import Partial, Replicate
 from ..redistribute import array_namespace, compile_plan
 from ..redistribute.planner import StepKind
-from ..spmd import agreed_min, require_same
+from ..spmd import require_same
 from .module import Module, Parameter
 from .utils import BUCKET_BYTES
 from .wrapping import agree_on_wrapping, check_module_and_dp_mesh, output_tensors
@@ -99,10 +100,12 @@ class _Replicated:
                  names: list[str], find_unused: bool, title: str) -> None:
         self.module, self.mesh, self.params, self.bucket_bytes = module, mesh, params, bucket_bytes
         self.names = names  # each parameter's name in the module (what the divergence check shows)
+        self.rank = mesh.get_comm().Get_rank()
         self.title = title  # "replicate #n (Class)": which wrapper on the mesh (the divergence check)
         self.find_unused = find_unused  # a parameter without a gradient here adds zeros to its bucket
         self.absent: set[int] = set()  # parameters no rank had a gradient for in this backward (find_unused)
         self.holder: list[int] = []  # per parameter, the least rank holding a Replicate gradient (find_unused)
+        self.agreed_order: list[int] = []  # rank 0's completion order, agreed with the terms (find_unused, first backward)
         self.raised: BaseException | None = None  # what the last backward's end raised
         self.fixed = False  # the layout follows an observed order checked across ranks
         self.buckets = _cut(list(range(len(params)))[::-1], params, bucket_bytes)
@@ -215,23 +218,31 @@ class _Replicated:
         """(``find_unused_parameters``, before the buckets start) One all-reduce (MIN) of two
         int64 per parameter (DDP's used bitmap, and more): which parameters no rank had a
         gradient for (their ``.grad`` stays None) and, per parameter, the least rank holding a
-        ``Replicate`` gradient (the one whose term counts it: see ``_term``). A checked call,
-        named by the wrapper, like the buckets after it: ranks whose end callbacks ran two
-        wrappers in different orders get an error, not each other's bitmaps."""
-        n, rank = len(self.params), self.mesh.get_comm().Get_rank()
-        top = np.iinfo(np.int64).max
+        ``Replicate`` gradient (the one whose term counts it: see ``_term``); in the first
+        backward also rank 0's completion order, which every rank's buckets follow from then
+        on (ranks may use different parameters). A checked call, named by the wrapper, like
+        the buckets after it: ranks whose end callbacks ran two wrappers in different orders
+        get an error, not each other's bitmaps."""
+        n, top = len(self.params), np.iinfo(np.int64).max
         grads = [p.grad for p in self.params]
+        values = ([0 if g is None else -1 for g in grads]  # (the least of -used: -max)
+                  + [self.rank if g is not None and g.placements == (Replicate(),) else top for g in grads])
+        if not self.fixed:
+            values += self._completion_order() if self.rank == 0 else [top] * n
         xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
-        mine = xp.asarray(np.array([0 if g is None else -1 for g in grads]  # (the least of -used: -max)
-                                   + [rank if g is not None and g.placements == (Replicate(),) else top for g in grads],
-                                   dtype=np.int64))
+        mine = xp.asarray(np.array(values, dtype=np.int64))
         low = xp.empty_like(mine)
         with call_context(lambda: f"{self.title}: which parameters have a gradient (find_unused_parameters)",
                           every_size=True):
             backend.all_reduce(self._group([]), mine, low, "min")
-        agreed = (low.get() if hasattr(low, "get") else low).tolist()  # (a device array: to the host)
+        agreed = to_host(low).tolist()
         self.absent = {i for i in range(n) if agreed[i] == 0}
-        self.holder = agreed[n:]
+        self.holder, self.agreed_order = agreed[n:2 * n], agreed[2 * n:]
+
+    def _completion_order(self) -> list[int]:
+        """The order this backward's gradients completed in, then the parameters it did not
+        reach (in reverse registration order)."""
+        return self.seen + [i for i in range(len(self.params))[::-1] if i not in self.ready]
 
     def _term(self, i: int) -> Any:
         """Parameter ``i``'s term of the sum (``find_unused_parameters``): its gradient as
@@ -242,7 +253,7 @@ class _Replicated:
         p, g = self.params[i], self.params[i].grad
         if g is not None and g.placements != (Replicate(),):
             return convert_locally(g, (Partial("sum"),))
-        if g is not None and self.holder[i] == self.mesh.get_comm().Get_rank():
+        if g is not None and self.holder[i] == self.rank:
             return g.to_local()
         return array_namespace(self.mesh.device_type).zeros(p.to_local().shape, dtype=p.dtype)
 
@@ -278,12 +289,10 @@ class _Replicated:
             raise
         self.backward.leave()
         if not self.fixed:
-            order = self.seen + [i for i in range(len(self.params))[::-1] if i not in self.ready]
-            if self.find_unused:  # ranks may use different parameters: rank 0's order for all
-                top = np.iinfo(np.int64).max
-                order = agreed_min(self.mesh.get_comm(), None, order if self.mesh.get_comm().Get_rank() == 0
-                                   else [top] * len(order)).tolist()
+            if self.find_unused:  # (rank 0's, agreed with the terms)
+                order = self.agreed_order
             else:
+                order = self._completion_order()
                 require_same(self.mesh.get_comm(), {"order": tuple(order)},
                              what="replicate: the order gradients complete in during backward (the reverse "
                                   "order of use of the parameters; every rank must run the same forward, or "

@@ -59,7 +59,7 @@ def agree_on_wrapping(api: str, module: Module, mesh: DeviceMesh, options: Mappi
                           f"one ({api} is collective on its mesh: every rank wraps the same modules, in the same order)",
         "parameters": f"{api}: the {type(module).__name__}'s parameters (names, shapes, dtypes, placements, "
                       f"meshes, requires_grad) differ between ranks; every rank must build the same model",
-        **{name: f"{api}: {name} differs between ranks" for name in options},
+        **{name: f"{api}: {name} differs between ranks; pass the same {name} on every rank" for name in options},
         "values": f"{api}: the {type(module).__name__}'s replicated parameters hold different values on "
                   f"different ranks (checksums of their leading values): a model initialised with different "
                   f"seeds, or a different module of the same shapes wrapped on each rank; seed every rank alike "
