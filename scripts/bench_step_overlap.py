@@ -27,7 +27,9 @@ of each of compute, replicate and fsdp (``PATH`` -> ``PATH-replicate-offcore.ran
 ``--load-ms`` adds off-core work at the start of every step (loading the batch); ``--unshard``
 adds the row ``fsdp+unshard``, interleaved with the others: its step first calls
 ``layers[0].unshard(async_op=True)`` (FSDP2's explicit prefetch), so the first unit's
-all-gather runs beside the load instead of before the forward.
+all-gather runs beside the load instead of before the forward. ``--plans replicate`` times only
+replicate beside compute and blocking; ``--bucket-mb 1,2,4`` times one replicate per bucket size,
+interleaved in the same run (a bucket sweep).
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--layer-mb", type=float, default=2.0)
     ap.add_argument("--work-ms", type=float, default=5.0, help="injected compute per layer, forward and backward")
-    ap.add_argument("--bucket-mb", type=float, default=2.0)
+    ap.add_argument("--bucket-mb", default="2", help="replicate's bucket size; a list: one replicate row each")
     ap.add_argument("--kinds", default="offcore,numpy")
     ap.add_argument("--reps", type=int, default=15,
                     help="interleaved repeats (7 gave medians that moved as much between runs as the effects)")
@@ -135,10 +137,13 @@ def main() -> None:
                     help="off-core work at the start of every step (loading the batch), in every plan")
     ap.add_argument("--unshard", action="store_true",
                     help="add fsdp+unshard: fsdp that starts its first unit's all-gather before the load")
+    ap.add_argument("--plans", default="replicate,fsdp",
+                    help="the plans timed beside compute and blocking (a bucket sweep needs only replicate)")
     args = ap.parse_args()
     mesh = dt.init_device_mesh("cpu", (WORLD.size,))
     width = max(1, int(np.sqrt(args.layer_mb * (1 << 20) / 8)))
-    bucket = int(args.bucket_mb * (1 << 20))
+    sizes = [float(mb) for mb in args.bucket_mb.split(",")]
+    bucket = int(sizes[0] * (1 << 20))
     if WORLD.rank == 0:
         print(f"{WORLD.size} ranks, {os.cpu_count()} cores, load before {os.getloadavg()[0]:.2f}; "
               f"collectives issued {issuer.issue_mode()}; "
@@ -147,30 +152,44 @@ def main() -> None:
               + (f", {args.load_ms} ms load per step" if args.load_ms else "")
               + (", fsdp+unshard starts its first unit's gather before the load" if args.unshard else "")
               + f"; environment: {process_environment()}")
-        print(f"{'kind':>8} {'plan':>12} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
+        print(f"{'kind':>8} {'plan':>15} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
               f"{'step/max':>8}   (ms, medians of the slowest rank)")
-    bare = {p: make_step(p, mesh, args.layers, width, lambda: None, bucket) for p in ("compute", "fsdp")}
+    chosen = tuple(args.plans.split(",")) + (("fsdp+unshard",) if args.unshard else ())
+    unknown = set(chosen) - {"replicate", "fsdp", "fsdp+unshard"}
+    if unknown:
+        ap.error(f"--plans: unknown plan(s) {sorted(unknown)}; choose from replicate, fsdp")
+    sharded = any(p.startswith("fsdp") for p in chosen)  # (the fsdp reference needs the bare steps)
+    bare = {p: make_step(p, mesh, args.layers, width, lambda: None, bucket) for p in ("compute", "fsdp")} \
+        if sharded else {}
     for kind in args.kinds.split(","):
         work = (offcore_work if kind == "offcore" else step_numpy_work)(args.work_ms / 1e3)
         load = offcore_work(args.load_ms / 1e3)
-        plans = ("compute", "blocking", "replicate", "fsdp") + (("fsdp+unshard",) if args.unshard else ())
+        plans = ("compute", "blocking") + chosen
         steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load) for p in plans}
-        cases: dict[str, Callable[[], object]] = {**steps, "bare compute": bare["compute"],
-                                                  "bare fsdp": issued_inline(bare["fsdp"])}
+        if len(sizes) > 1 and "replicate" in steps:  # the sweep: one replicate per bucket size
+            del steps["replicate"]
+            for mb in sizes:
+                steps[f"replicate {mb:g}MB"] = make_step("replicate", mesh, args.layers, width, work,
+                                                         int(mb * (1 << 20)), load)
+            plans = tuple(steps)
+        cases: dict[str, Callable[[], object]] = dict(steps)
+        if sharded:
+            cases.update({"bare compute": bare["compute"], "bare fsdp": issued_inline(bare["fsdp"])})
         for fn in cases.values():
             fn()  # a first warm-up (replicate fixes its bucket order on it); timed_interleaved runs the second
         med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD).items()}
-        comm = {"blocking": med["blocking"] - med["compute"], "replicate": med["blocking"] - med["compute"],
-                "fsdp": med["bare fsdp"] - med["bare compute"], "fsdp+unshard": med["bare fsdp"] - med["bare compute"]}
+        dp = med["blocking"] - med["compute"]
+        fsdp = med["bare fsdp"] - med["bare compute"] if sharded else float("nan")
+        comm = {plan: fsdp if plan.startswith("fsdp") else dp for plan in plans}
         if WORLD.rank == 0:
             print(f"{kind:>8} all medians: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
             for plan in plans[1:]:
                 exposed = med[plan] - med["compute"]
                 c = comm[plan]
-                print(f"{kind:>8} {plan:>12} {med['compute']:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
+                print(f"{kind:>8} {plan:>15} {med['compute']:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
                       f"{exposed / c if c > 0 else float('nan'):8.2f} {med[plan] / max(med['compute'], c):8.2f}")
         if args.trace and kind == args.kinds.split(",")[0]:
-            for plan in ("compute", "replicate", "fsdp"):
+            for plan in ("compute", *(p for p in ("replicate", "fsdp") if p in steps)):  # (not in a sweep)
                 root, ext = os.path.splitext(args.trace)
                 with dt.trace(f"{root}-{plan}-{kind}{ext or '.json'}"), dt.trace_span("step"):
                     steps[plan]()

@@ -20,13 +20,17 @@ def process_environment() -> str:
     opt-in tuning of dtorch_mpi/heap.py): a NumPy step with MB-sized arrays runs up to 2x apart
     with glibc's defaults and with tuned thresholds (docs/performance.md, "Page faults"), so
     every step benchmark prints it; with UCX's rendezvous threshold (dtorch_mpi/ucx.py), which
-    decides how fast a collective between hosts finishes beside compute."""
+    decides how fast a collective between hosts finishes beside compute, and the buffer pool's
+    cap: buffers from 32 MiB (glibc's largest mmap threshold) that it cannot keep are mapped and
+    faulted in afresh at every use."""
     from dtorch_mpi import heap, ucx
+    from dtorch_mpi.comm import pool
 
     env = {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD") if k in os.environ}
     shown = ", ".join(f"{k}={v}" for k, v in env.items()) or "glibc defaults"
     rndv = os.environ.get(ucx.VARIABLE, "UCX's own")
-    return f"{shown}; DTORCH_MALLOC_TUNING: {heap.state}; {ucx.VARIABLE}={rndv} ({ucx.state})"
+    return (f"{shown}; DTORCH_MALLOC_TUNING: {heap.state}; {ucx.VARIABLE}={rndv} ({ucx.state}); "
+            f"DTORCH_BUFFER_POOL_BYTES={pool.pool_cap() >> 20} MiB")
 
 
 def timed(fn: Callable[[], Any], reps: int, comm: MPI.Intracomm = MPI.COMM_WORLD, *,

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -392,6 +393,44 @@ def test_a_data_wait_polls_only_the_check_its_own_thread_overlaps(monkeypatch: p
     assert mine.polled_by == [threading.get_ident()]
     assert other.polled_by == [worker.ident]
     assert idle.polled_by == []
+
+
+@ranks
+@pytest.mark.skipif(MPI.Query_thread() != MPI.THREAD_MULTIPLE, reason="two threads making MPI calls")
+def test_a_plans_context_covers_only_its_own_thread(mesh1d: dt.DeviceMesh) -> None:
+    """A small collective another thread makes (a loader's, on a mesh of its own) while the
+    training thread is inside a plan's ``call_context(every_size=True)`` on rank 0 only is
+    unchecked on every rank: the context is the thread's. (Shared by threads, the call was
+    checked on rank 0 alone, whose check then waited out the deadline.)"""
+    import threading
+
+    from dtorch_mpi.comm import deadline
+
+    loader_mesh = dt.init_device_mesh("cpu", (SIZE,))
+    small = dt.distribute_tensor(np.arange(2.0 * SIZE).reshape(SIZE, 2), loader_mesh, [S0])
+    big = dt.distribute_tensor(np.arange(float(BIG[0] * BIG[1])).reshape(BIG), loader_mesh, [S0])
+    got: list[Any] = []
+
+    def load() -> None:
+        try:
+            got.append(small.redistribute(placements=[R]).to_local())
+        except BaseException as exc:  # raised below, on this rank's main thread
+            got.append(exc)
+
+    before = deadline.collective_timeout()
+    deadline.set_collective_timeout(5)  # (the failure this guards against waits it out)
+    try:
+        loader = threading.Thread(target=load)
+        with divergence.call_context(lambda: "a plan's bucket", every_size=True) if RANK == 0 else nullcontext():
+            loader.start()
+            loader.join()
+        whole = big.redistribute(placements=[R]).to_local()  # the loader mesh's next checked call
+    finally:
+        deadline.set_collective_timeout(before)
+        loader_mesh.free()
+    assert not isinstance(got[0], BaseException), got[0]
+    np.testing.assert_array_equal(got[0], np.arange(2.0 * SIZE).reshape(SIZE, 2))
+    np.testing.assert_array_equal(whole, np.arange(float(BIG[0] * BIG[1])).reshape(BIG))
 
 
 def test_the_board_is_compiled_where_it_can_be() -> None:

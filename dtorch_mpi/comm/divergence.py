@@ -75,7 +75,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from threading import get_ident
+from threading import get_ident, local
 from typing import Any, NoReturn
 
 import numpy as np
@@ -371,10 +371,19 @@ def _one_node(comm: MPI.Intracomm) -> bool:
 _TWINS: dict[int, Twin] = {}
 """By ``id`` of the library's communicator object (the mesh holds it, and detaches it at free)."""
 
-_context: Callable[[], str] | None = None
-_every_size = False
-"""Whether the calls inside the current :func:`call_context` are checked by default whatever
-their size (the data-parallel plans' calls, ``every_size=True``)."""
+class _CallContext(local):
+    """This thread's :func:`call_context` (per thread: a loader thread's small collective on
+    another mesh, made while the training thread is inside a plan's context on some ranks and
+    not on others, would be checked on some ranks only, and its check would pair with a later
+    call's or wait out the deadline)."""
+
+    describe: Callable[[], str] | None = None
+    every_size = False
+    """Whether the calls inside are checked by default whatever their size (the data-parallel
+    plans' calls, ``every_size=True``)."""
+
+
+_here = _CallContext()
 
 
 def attach(comm: MPI.Intracomm) -> None:
@@ -424,17 +433,18 @@ def call_context(describe: Callable[[], str], *, every_size: bool = False) -> It
     :data:`CHECK_FROM`. fully_shard, replicate and ``reduce_gradients`` ask for it: their calls
     are few per step, and ranks whose forwards took different branches (an expert each) make
     calls of equal shapes that only the names tell apart, at any size."""
-    global _context, _every_size
-    outer, _context = _context, describe
-    outer_size, _every_size = _every_size, every_size
+    here = _here
+    outer, outer_size = here.describe, here.every_size
+    here.describe, here.every_size = describe, every_size
     try:
         yield
     finally:
-        _context, _every_size = outer, outer_size
+        here.describe, here.every_size = outer, outer_size
 
 
 def current_context() -> str:
-    return "" if _context is None else f" [{_context()}]"
+    describe = _here.describe
+    return "" if describe is None else f" [{describe()}]"
 
 
 def user_site() -> str:

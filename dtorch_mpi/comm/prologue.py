@@ -103,7 +103,7 @@ def _with(shape: Sequence[int], axis: int, n: int) -> tuple[int, ...]:
 def _wants_facts(nbytes: int) -> bool:
     """Whether the call's description may be needed: a counter, debug mode, or the default
     check's size or context (its on/off switch is read only then)."""
-    return bool(counter._active) or nbytes >= CHECK_FROM or divergence._every_size or spmd_debug()
+    return bool(counter._active) or nbytes >= CHECK_FROM or divergence._here.every_size or spmd_debug()
 
 
 def _all_to_all_traffic(group: Group, send: Any, out: Any, split_axis: int, split_sizes: Sequence[int],
@@ -227,7 +227,7 @@ class Prologued:
         overlap = False
         if facts is not _NO_FACTS and (twin is not None or spmd_debug()):
             debug = twin is None or spmd_debug()  # (no twin: here only in debug mode)
-            default = twin is not None and (nbytes >= CHECK_FROM or divergence._every_size) and spmd_check()
+            default = twin is not None and (nbytes >= CHECK_FROM or divergence._here.every_size) and spmd_check()
             if default or debug:
                 # (a call checked only for its context stays here: a small call's check and start
                 # cost less than the issue thread's wake-up, +4 ms a step of 48 such calls)
@@ -247,7 +247,7 @@ class Prologued:
                     assert twin is not None
                     moves = twin.data_group(group)
                     overlap = not (debug or async_op or send is out)
-                if digest is not None and digest[0] is not None and not debug and divergence._context is None:
+                if digest is not None and digest[0] is not None and not debug and divergence._here.describe is None:
                     # a compiled step's call outside debug mode and any context (the hot path:
                     # fingerprint(seq, digest, "", "") without the calls; a test holds them equal)
                     assert twin is not None
