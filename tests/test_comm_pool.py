@@ -96,6 +96,38 @@ def test_the_byte_cap_bounds_the_pool(small_pool: None) -> None:
         pool.set_pool_cap(cap)
 
 
+def test_a_kept_buffer_is_handed_out_again_only_when_idle(small_pool: None) -> None:
+    """``pool.Kept`` (replicate's buckets): an idle buffer is handed out again at its address;
+    one still viewed never is, nor written; two are kept (the alternation of gradients zeroed
+    in place); another size gets a new one; and none counts against the pool's cap."""
+    kept = pool.Kept()
+    first = kept.empty(np, 1000, np.float64)
+    a = first.ctypes.data
+    assert a % pool.PAGE == 0
+    del first
+    held = kept.empty(np, 1000, np.float64)  # idle: the same buffer
+    assert held.ctypes.data == a
+    held[...] = 1.0
+    other = kept.empty(np, 1000, np.float64)  # ``held`` is in use: a second one
+    b = other.ctypes.data
+    assert b != a and not np.shares_memory(other, held)
+    del other
+    again = kept.empty(np, 1000, np.float64)  # the second is idle again
+    assert again.ctypes.data == b
+    third = kept.empty(np, 1000, np.float64)  # both in use: a third replaces the older
+    assert not np.shares_memory(third, held) and not np.shares_memory(third, again)
+    third[...] = again[...] = 2.0
+    assert np.all(held == 1.0)
+    del held  # the first was forgotten: its memory goes with its last user
+    del third
+    assert kept.empty(np, 1000, np.float64).ctypes.data not in (a, b)  # the third, idle again
+    wider = kept.empty(np, 2000, np.float64)  # another size: a new one, not ``again``'s
+    assert wider.shape == (2000,) and not np.shares_memory(wider, again)
+    assert np.all(again == 2.0)
+    assert pool.held_bytes() == 0
+    assert kept.empty(np, 3, object).dtype == object
+
+
 def test_other_arrays_bypass_the_pool(small_pool: None) -> None:
     assert pool.empty(np, (3,), object).dtype == object
     assert pool.empty(np, (0, 4), np.float32).shape == (0, 4)

@@ -270,6 +270,69 @@ def test_a_second_backward_adds_to_reduced_gradients(mesh1d: dt.DeviceMesh, buck
     check.done()
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_bucket_buffer_is_reused_and_never_under_a_kept_gradient(mesh1d: dt.DeviceMesh, set_to_none: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     check: Checker) -> None:
+    """A bucket of several gradients packs into a buffer the bucket keeps (``pool.Kept``, here
+    from any size, whatever the shared pool's cap: a model whose buckets outgrew the cap
+    mapped them afresh every step): gradients dropped by ``zero_grad()`` leave it to the next step, and with
+    gradients zeroed in place (``set_to_none=False``) the steps use at most two, so no step maps
+    a fresh one; gradients the program keeps from a step are never written by the later ones.
+    Every step's gradients equal the blocking form's bitwise. (Step 0 fixes the bucket layout:
+    its buckets are replaced.)"""
+    import weakref
+
+    from dtorch_mpi.comm import pool
+
+    if mesh1d.device_type != "cpu":
+        pytest.skip("CuPy buffers come from CuPy's own caching allocator")
+    monkeypatch.setattr(pool, "POOLED_FROM", 1)
+    monkeypatch.setattr(pool, "pool_cap", lambda: 0)  # the shared pool keeps nothing: the bucket's own does
+    models = []
+    for bucket in (None, nn.utils.BUCKET_BYTES):  # the blocking form; one bucket of all six
+        dt.manual_seed(0)
+        model = Tower(SIZE + 1, mesh1d)
+        if bucket is not None:
+            dt.replicate(model, mesh=mesh1d, bucket_bytes=bucket)
+        models.append(model)
+    names = [n for n, _ in models[0].named_parameters()]
+    saved: list[tuple[list[Any], list[np.ndarray]]] = []  # gradients the program keeps, and their values
+    buffers: list[Any] = []  # per step, a weak reference to the buffer the bucket's gradients view
+    for step in range(5):
+        x, y = _data(mesh1d, seed=step)
+        grads = []
+        for model in models:
+            dt.optim.SGD(list(model.parameters()), lr=0.1).zero_grad(set_to_none=set_to_none)
+            F.mse_loss(model(x), y).backward()
+            if model is models[0]:
+                nn.utils.reduce_gradients(list(model.parameters()))
+            grads.append([p.grad.to_local() for p in model.parameters()])
+        for name, blocking, bucketed in zip(names, *grads):
+            check.equal(to_numpy(bucketed), to_numpy(blocking), f"step {step}: {name}.grad")
+        del blocking, bucketed  # (a loop variable would hold the buffer)
+        owners = {id(g.base) for g in grads[1]}
+        check.true(len(owners) == 1 and grads[1][0].base is not None,
+                   f"step {step}: the gradients view {len(owners)} buffers, not the bucket's one")
+        base = grads[1][0].base
+        buffers.append(weakref.ref(base))
+        if step > 1:
+            same = [earlier() is base for earlier in buffers[1:-1]]  # (steps 1 ..)
+            if set_to_none:  # step 2's gradients are kept: step 3 packs into another, step 4 into it again
+                expected = {2: [True], 3: [False, False], 4: [False, False, True]}[step]
+                check.true(same == expected, f"step {step}: the same buffer as steps 1.. {same}, not {expected}")
+            else:
+                distinct = {id(ref()) for ref in buffers[1:] if ref() is not None}
+                check.true(len(distinct) <= 2, f"step {step}: {len(distinct)} buffers from step 1 on")
+        if step == 2 and set_to_none:
+            saved.append((grads[1], [to_numpy(g).copy() for g in grads[1]]))
+        del grads, base
+    for arrays, values in saved:
+        for name, g, v in zip(names, arrays, values):
+            check.equal(to_numpy(g), v, f"{name}.grad kept from step 2, after two more steps")
+    check.done()
+
+
 def test_every_rank_makes_the_same_mpi_calls(check: Checker) -> None:
     """The MPI-call trace (tests/test_mpi_trace.py's tracing communicators): two replicate
     steps with several buckets make the same calls, in the same order, with matching counts on

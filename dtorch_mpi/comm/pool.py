@@ -21,7 +21,9 @@ owners are forgotten first, which never frees one still in use: its users keep i
 buffers bypass the pool (malloc reuses them without page faults, and the pool would only add
 Python time). Emptied by ``DeviceMesh.free()``. CuPy buffers go to CuPy's own caching allocator.
 A result kept from step to step (fully_shard's gradient shards) stays the pool's: dropped by
-``zero_grad``, its owner is idle and the next step's collective writes into it again.
+``zero_grad``, its owner is idle and the next step's collective writes into it again. A buffer
+one user asks for every step, of one size, can be kept by that user instead (:class:`Kept`:
+replicate's buckets), outside the cap.
 """
 
 from __future__ import annotations
@@ -130,6 +132,44 @@ def empty(xp: Any, shape: tuple[int, ...] | int, dtype: Any) -> Any:
         _owners.move_to_end(nbytes)
         owner, start = entry
         return owner[start : start + nbytes].view(dt).reshape(dims)  # its ``.base`` is ``owner``
+
+
+class Kept:
+    """Buffers their user asks for again and again, of one size (a ``replicate`` bucket, every
+    step): kept here, outside the pool's cap, as DDP keeps its buckets. In the shared pool a
+    model whose buckets outgrew the cap had the oldest forgotten every step, and a forgotten
+    buffer from 32 MiB (glibc's largest mmap threshold) is mapped and faulted in afresh at its
+    next use (128 MiB: 360 ms on this machine, against 21 ms for a copy into warm pages).
+
+    A buffer is handed out again only when idle (nothing but this holds it, the pool's test).
+    Two are kept: with gradients zeroed in place rather than dropped, the last step's buffer
+    is still viewed while the next one packs, and the one before it is idle again. Where
+    both are in use (or for another size), a new one replaces the older. Used by one thread."""
+
+    __slots__ = ("_owners",)
+
+    def __init__(self) -> None:
+        self._owners: list[Owner] = []  # (allocation, page offset), the last handed out last
+
+    def empty(self, xp: Any, size: int, dtype: Any) -> Any:
+        """An uninitialised 1-D array like ``xp.empty(size, dtype)``: an idle kept buffer of
+        this size when there is one (NumPy buffers from :data:`POOLED_FROM` bytes on)."""
+        dt = np.dtype(dtype)
+        nbytes = size * dt.itemsize
+        if xp is not np or nbytes < POOLED_FROM or dt.hasobject:
+            return xp.empty(size, dtype=dt)
+        owners = self._owners
+        if owners and owners[0][0].nbytes != nbytes + PAGE:
+            owners.clear()  # another size: the kept ones go with their users
+        idle = [i for i, refs in enumerate(_refcounts(owners)) if refs <= _IDLE_REFS]
+        if idle:
+            entry = owners.pop(idle[0])
+        else:
+            entry = _new_owner(nbytes)
+            del owners[:-1]  # (the newer of two in use stays kept)
+        owners.append(entry)
+        owner, start = entry
+        return owner[start : start + nbytes].view(dt)
 
 
 def allocator(xp: Any, shape: tuple[int, ...], dtype: Any) -> Callable[[], Any]:

@@ -12,9 +12,10 @@ counted on global sizes so every rank cuts at the same places), each packed into
 one nonblocking all-reduce, in place (no copy of the buffer when it starts: MPICH's
 ``Iallreduce`` copies send into receive on the calling thread, 143-400 us per 2 MB). A bucket
 of one gradient reduces the leaf's own gradient array (AccumulateGrad gives every leaf an
-array of its own); a bucket of several packs them into a buffer of the collective pool
-(comm/pool.py): reused, with warm pages, once the gradients viewing it from the last step are
-dropped, and never while one is still held.
+array of its own); a bucket of several packs them into a buffer the bucket keeps
+(``pool.Kept``, outside the collective pool's cap, as DDP keeps its buckets): reused, with warm
+pages, once the gradients viewing it from the last step are dropped, and never while one is
+still held.
 
 ==============================  ===========================================================
 point                           what happens
@@ -76,6 +77,7 @@ class _Bucket:
     waiting: int = 0  # gradients not yet complete in this backward
     started: bool = False
     flights: list[tuple[list[tuple[int, Any]], Any, Any]] = field(default_factory=list)  # (items, work, out)
+    buffers: dict[tuple[Any, ...], pool.Kept] = field(default_factory=dict)  # per (op, dtype, mesh dim) packed
 
 
 def _cut(order: list[int], params: list[Parameter], bucket_bytes: int) -> list[_Bucket]:
@@ -163,7 +165,8 @@ class _Replicated:
         bucket.started = True
         runs, missing = self._every_term(bucket) if self.find_unused else self._reduced_terms(bucket)
         xp, backend = array_namespace(self.mesh.device_type), backend_for(self.mesh.device_type)
-        for (op, dtype, _dim), items in runs.items():
+        for key, items in runs.items():
+            op, dtype, _dim = key
             if self.find_unused:  # every parameter's term, zeros where it has no gradient here
                 pieces = [self._term(i) for i, _ in items]
             else:
@@ -171,7 +174,8 @@ class _Replicated:
             if len(pieces) == 1 and pieces[0].flags.c_contiguous:
                 flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
             else:
-                flat = pool.empty(xp, sum(x.size for x in pieces), dtype)
+                kept = bucket.buffers.get(key) or bucket.buffers.setdefault(key, pool.Kept())
+                flat = kept.empty(xp, sum(x.size for x in pieces), dtype)
                 xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
             # the check compares which gradients the bucket holds: ranks whose forwards used
             # different parameters of equal shapes (an expert each) get an error, not a sum of
