@@ -139,7 +139,7 @@ class Kept:
     step): kept here, outside the pool's cap, as DDP keeps its buckets. In the shared pool a
     model whose buckets outgrew the cap had the oldest forgotten every step, and a forgotten
     buffer from 32 MiB (glibc's largest mmap threshold) is mapped and faulted in afresh at its
-    next use (128 MiB: 360 ms on this machine, against 21 ms for a copy into warm pages).
+    next use (a copy into a fresh 128 MiB took 35-384 ms on this machine, into warm pages 21).
 
     A buffer is handed out again only when idle (nothing but this holds it, the pool's test).
     Two are kept: with gradients zeroed in place rather than dropped, the last step's buffer
