@@ -277,8 +277,8 @@ def test_a_bucket_buffer_is_reused_and_never_under_a_kept_gradient(mesh1d: dt.De
     """A bucket of several gradients packs into a buffer the bucket keeps (``pool.Kept``, here
     from any size, whatever the shared pool's cap: a model whose buckets outgrew the cap
     mapped them afresh every step): gradients dropped by ``zero_grad()`` leave it to the next step, and with
-    gradients zeroed in place (``set_to_none=False``) the steps use at most two, so no step maps
-    a fresh one; gradients the program keeps from a step are never written by the later ones.
+    gradients zeroed in place (``set_to_none=False``) each step packs into one of the two steps
+    before's, so no step maps a fresh one; gradients the program keeps from a step are never written by the later ones.
     Every step's gradients equal the blocking form's bitwise. (Step 0 fixes the bucket layout:
     its buckets are replaced.)"""
     import weakref
@@ -321,9 +321,8 @@ def test_a_bucket_buffer_is_reused_and_never_under_a_kept_gradient(mesh1d: dt.De
             if set_to_none:  # step 2's gradients are kept: step 3 packs into another, step 4 into it again
                 expected = {2: [True], 3: [False, False], 4: [False, False, True]}[step]
                 check.true(same == expected, f"step {step}: the same buffer as steps 1.. {same}, not {expected}")
-            else:
-                distinct = {id(ref()) for ref in buffers[1:] if ref() is not None}
-                check.true(len(distinct) <= 2, f"step {step}: {len(distinct)} buffers from step 1 on")
+            elif step > 2:  # one of the two steps before's, never a fresh one
+                check.true(same[-1] or same[-2], f"step {step}: the same buffer as steps 1.. {same}")
         if step == 2 and set_to_none:
             saved.append((grads[1], [to_numpy(g).copy() for g in grads[1]]))
         del grads, base
