@@ -77,10 +77,11 @@ def _refcounts(bucket: list[Owner]) -> list[int]:
     return [sys.getrefcount(owner) for owner, _ in bucket]
 
 
-def _find_idle(bucket: list[Owner]) -> Owner | None:
-    for entry, refs in zip(bucket, _refcounts(bucket)):
+def _find_idle(bucket: list[Owner]) -> int | None:
+    """The index of the first owner in ``bucket`` that nobody but the pool holds (None: none)."""
+    for i, refs in enumerate(_refcounts(bucket)):
         if refs <= _IDLE_REFS:
-            return entry
+            return i
     return None
 
 
@@ -122,8 +123,10 @@ def empty(xp: Any, shape: tuple[int, ...] | int, dtype: Any) -> Any:
         return np.empty(dims, dtype=dt)
     with _lock:  # one thread's idle owner must not be handed to another before it holds a view
         bucket = _owners.get(nbytes)
-        entry = _find_idle(bucket) if bucket else None
-        if entry is None:
+        idle = _find_idle(bucket) if bucket else None
+        if bucket and idle is not None:
+            entry = bucket[idle]
+        else:
             global _held
             _shrink(nbytes)
             entry = _new_owner(nbytes)
@@ -161,9 +164,9 @@ class Kept:
         owners = self._owners
         if owners and owners[0][0].nbytes != nbytes + PAGE:
             owners.clear()  # another size: the kept ones go with their users
-        idle = [i for i, refs in enumerate(_refcounts(owners)) if refs <= _IDLE_REFS]
-        if idle:
-            entry = owners.pop(idle[0])
+        idle = _find_idle(owners)
+        if idle is not None:
+            entry = owners.pop(idle)
         else:
             entry = _new_owner(nbytes)
             del owners[:-1]  # (the newer of two in use stays kept)

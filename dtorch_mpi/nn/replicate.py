@@ -174,8 +174,7 @@ class _Replicated:
             if len(pieces) == 1 and pieces[0].flags.c_contiguous:
                 flat = pieces[0].reshape(-1)  # the leaf's own gradient array (AccumulateGrad): reduced where it is
             else:
-                kept = bucket.buffers.get(key) or bucket.buffers.setdefault(key, pool.Kept())
-                flat = kept.empty(xp, sum(x.size for x in pieces), dtype)
+                flat = bucket.buffers.setdefault(key, pool.Kept()).empty(xp, sum(x.size for x in pieces), dtype)
                 xp.concatenate([x.reshape(-1) for x in pieces], out=flat)
             # the check compares which gradients the bucket holds: ranks whose forwards used
             # different parameters of equal shapes (an expert each) get an error, not a sum of
