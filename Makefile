@@ -200,7 +200,8 @@ test-gpu-emulated: $(STAMP)
 
 test-phdf5: $(PHDF5_STAMP) $(PHDF5_YIELD)
 	LD_PRELOAD=$(abspath $(PHDF5_YIELD))$${LD_PRELOAD:+:$$LD_PRELOAD} $(PHDF5_VENV)/bin/python scripts/run_tests.py --mpiexec "$(PHDF5_MPIEXEC)" --sizes $(SIZES) --paths auto \
-	  tests/test_checkpoint.py tests/test_checkpoint_layouts.py tests/test_nn.py tests/test_faults.py
+	  tests/test_checkpoint.py tests/test_checkpoint_async.py tests/test_checkpoint_layouts.py tests/test_nn.py \
+	  tests/test_faults.py
 
 test-slurm: $(STAMP)
 	DTORCH_PYTHON=$(abspath $(PY)) bash scripts/slurm/test_slurm.sh

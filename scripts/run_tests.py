@@ -282,8 +282,8 @@ def main() -> int:
                     help="ranks of the runs made side by side at most (a run alone may have more)")
     ap.add_argument("--phdf5-python", default="", help="python of the parallel-HDF5 stack")
     ap.add_argument("--phdf5-mpiexec", default="mpiexec", help="the parallel-HDF5 stack's launcher")
-    ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_checkpoint_layouts.py tests/test_nn.py "
-                                           "tests/test_faults.py")
+    ap.add_argument("--phdf5-tests", default="tests/test_checkpoint.py tests/test_checkpoint_async.py "
+                                           "tests/test_checkpoint_layouts.py tests/test_nn.py tests/test_faults.py")
     ap.add_argument("--phdf5-env", action="append", default=[], metavar="NAME=VALUE",
                     help="set in the parallel-HDF5 runs' environment (make test: LD_PRELOAD of scripts/ucx_yield.c)")
     ap.add_argument("--phdf5-sizes", default="1,2,4",
