@@ -2,19 +2,27 @@
 blocking save (interleaved, medians), and how much the write slows the work beside it: NumPy
 work (128 x 128 products for about ``--offcore-ms``: the core and the GIL) and off-core work (``--offcore-ms`` of
 ``time.sleep`` in 2 ms slices, as a loop waiting on GPU kernels: only the GIL between them),
-each alone and while an async save writes. Run under MPI, e.g.
+each alone and while an async save writes, in turn first. One BLAS thread per rank (as the other
+step benchmarks): BLAS threads left spinning by the NumPy work took the cores from the off-core
+work after it. Run under MPI, e.g.
   PYTHONPATH=$PWD mpiexec -n 2 .venv/bin/python scripts/bench_async_save.py --mb 16 --reps 5
 """
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the BLAS thread count must be set before NumPy is imported)
 import argparse
 import os
+
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one core per rank: BLAS threads
+    os.environ.setdefault(_var, "1")  # left spinning by the NumPy work slowed the off-core work after it (+17 to +40 %)
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
+from benchtools import process_environment
 from mpi4py import MPI
 
 import dtorch_mpi as dt
@@ -56,27 +64,30 @@ def main() -> None:
             time.sleep(0.002)
         return time.perf_counter() - t
 
-    for _ in range(args.reps):
+    def alone_and_beside(work: Callable[[], float], name: str, rep: int) -> None:
+        """``work`` alone and beside an async save, in turn first (what runs before a window, a
+        write's end or other work, is then the same for both on average)."""
+        for beside in ((True, False) if rep % 2 else (False, True)):
+            WORLD.Barrier()
+            if not beside:
+                times[f"{name} alone"].append(work())
+                continue
+            t = time.perf_counter()
+            h = dt.save(state, path, async_op=True)
+            times["async (blocking part)"].append(time.perf_counter() - t)
+            assert h is not None
+            times[f"{name} beside the write"].append(work())
+            h.wait()
+            times["async (to wait)"].append(time.perf_counter() - t)
+
+    for rep in range(args.reps):
         WORLD.Barrier()
         t = time.perf_counter()
         copies = [v.to_local().copy() for v in state.values()]
         times["memcpy"].append(time.perf_counter() - t)
         del copies
-        WORLD.Barrier()
-        t = time.perf_counter()
-        h = dt.save(state, path, async_op=True)
-        times["async (blocking part)"].append(time.perf_counter() - t)
-        assert h is not None
-        times["compute beside the write"].append(compute())  # a training step's NumPy work, GIL included
-        h.wait()
-        times["async (to wait)"].append(time.perf_counter() - t)
-        times["compute alone"].append(compute())
-        WORLD.Barrier()
-        h = dt.save(state, path, async_op=True)
-        assert h is not None
-        times["off-core beside the write"].append(offcore())
-        h.wait()
-        times["off-core alone"].append(offcore())
+        alone_and_beside(compute, "compute", rep)  # a training step's NumPy work, GIL included
+        alone_and_beside(offcore, "off-core", rep)
         WORLD.Barrier()
         t = time.perf_counter()
         dt.save(state, path)
@@ -84,7 +95,7 @@ def main() -> None:
     slowest = {k: max(WORLD.allgather(statistics.median(v))) for k, v in times.items()}
     if WORLD.Get_rank() == 0:
         print(f"{size} ranks, {args.mb} MiB per rank, h5py mpi={dt.has_parallel_hdf5()}, medians of {args.reps} "
-              f"(slowest rank):")
+              f"(slowest rank); {process_environment()}; OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}:")
         for k, v in slowest.items():
             print(f"  {k:26s} {v * 1e3:9.1f} ms")
         goal = 1.2 * slowest["memcpy"] + 0.05
