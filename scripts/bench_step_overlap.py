@@ -27,7 +27,13 @@ of each of compute, replicate and fsdp (``PATH`` -> ``PATH-replicate-offcore.ran
 ``--load-ms`` adds off-core work at the start of every step (loading the batch); ``--unshard``
 adds the row ``fsdp+unshard``, interleaved with the others: its step first calls
 ``layers[0].unshard(async_op=True)`` (FSDP2's explicit prefetch), so the first unit's
-all-gather runs beside the load instead of before the forward. ``--plans replicate`` times only
+all-gather runs beside the load instead of before the forward. ``--optimizer`` ends every step
+with an SGD step and adds the row ``fsdp-ondemand``: fsdp with ``prefetch_after_step=False``
+(the default starts the first unit's all-gather at the end of the optimizer step, so it runs
+beside the next step's load). A sharded plan's optimizer updates 1/ranks of the parameters, so
+each plan's compute-only step is the compute step with that plan's own optimizer time (both
+medians, printed; for the fsdp plans fsdp-ondemand's, whose step starts no gather): the
+saving is not hidden communication. ``--plans replicate`` times only
 replicate beside compute and blocking; ``--bucket-mb 1,2,4`` times one replicate per bucket size,
 interleaved in the same run (a bucket sweep).
 """
@@ -40,6 +46,7 @@ import os
 
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # one core per rank: a threaded
     os.environ.setdefault(_var, "1")  # BLAS made each backward matmul 10x slower on this loaded machine
+import statistics
 import time
 from collections.abc import Callable
 
@@ -85,17 +92,22 @@ def offcore_work(seconds: float) -> Callable[[], object]:
 
 
 def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Callable[[], object],
-              bucket: int, load: Callable[[], object] = lambda: None) -> Callable[[], object]:
+              bucket: int, load: Callable[[], object] = lambda: None,
+              optimizer_times: list[float] | None = None) -> Callable[[], object]:
+    """One training step of ``plan``; with ``optimizer_times`` it ends with an SGD step, whose
+    time on this rank each step appends there."""
     dt.manual_seed(0)
     model = Stack(layers, width, mesh, work)
     if plan == "replicate":
         dt.replicate(model, mesh=mesh, bucket_bytes=bucket)
-    elif plan in ("fsdp", "fsdp+unshard"):
+    elif plan.startswith("fsdp"):
         for i, layer in enumerate(model.layers):  # the last layer stays gathered after forward: its
             dt.fully_shard(layer, mesh=mesh, reshard_after_forward=i < layers - 1)  # backward is next
-        dt.fully_shard(model, mesh=mesh)  # (torchtitan's recipe for FSDP2)
+        dt.fully_shard(model, mesh=mesh,  # (torchtitan's recipe for FSDP2)
+                       prefetch_after_step=plan != "fsdp-ondemand")
     params = list(model.parameters())
     x = dt.distribute_tensor(np.random.default_rng(2).standard_normal((4 * WORLD.size, width)), mesh, [S0])
+    opt = dt.optim.SGD(params, lr=1e-9) if optimizer_times is not None else None
 
     first = model.layers[0]
 
@@ -110,6 +122,14 @@ def make_step(plan: str, mesh: dt.DeviceMesh, layers: int, width: int, work: Cal
         loss.backward()
         if plan == "blocking":
             nn.utils.reduce_gradients(params)
+        if opt is not None and optimizer_times is not None:
+            if plan == "compute":  # its gradients are unreduced (Partial): the same local update,
+                for p in params:  # read as the parameter's placements (no communication)
+                    p.grad = dt.DTensor(p.grad.to_local(), p.spec)  # type: ignore[union-attr]
+            start = time.perf_counter()
+            with dt.trace_span("optimizer"):
+                opt.step()
+            optimizer_times.append(time.perf_counter() - start)
         return loss
 
     return step
@@ -139,6 +159,8 @@ def main() -> None:
                     help="add fsdp+unshard: fsdp that starts its first unit's all-gather before the load")
     ap.add_argument("--plans", default="replicate,fsdp",
                     help="the plans timed beside compute and blocking (a bucket sweep needs only replicate)")
+    ap.add_argument("--optimizer", action="store_true",
+                    help="end every step with an SGD step, and add fsdp-ondemand (prefetch_after_step=False)")
     args = ap.parse_args()
     mesh = dt.init_device_mesh("cpu", (WORLD.size,))
     width = max(1, int(np.sqrt(args.layer_mb * (1 << 20) / 8)))
@@ -154,8 +176,9 @@ def main() -> None:
               + f"; environment: {process_environment()}")
         print(f"{'kind':>8} {'plan':>15} {'compute':>8} {'comm':>8} {'step':>8} {'exposed':>8} {'exp/comm':>8} "
               f"{'step/max':>8}   (ms, medians of the slowest rank)")
-    chosen = tuple(args.plans.split(",")) + (("fsdp+unshard",) if args.unshard else ())
-    unknown = set(chosen) - {"replicate", "fsdp", "fsdp+unshard"}
+    chosen = tuple(args.plans.split(",")) + (("fsdp+unshard",) if args.unshard else ()) \
+        + (("fsdp-ondemand",) if args.optimizer and "fsdp" in args.plans.split(",") else ())
+    unknown = set(chosen) - {"replicate", "fsdp", "fsdp+unshard", "fsdp-ondemand"}
     if unknown:
         ap.error(f"--plans: unknown plan(s) {sorted(unknown)}; choose from replicate, fsdp")
     sharded = any(p.startswith("fsdp") for p in chosen)  # (the fsdp reference needs the bare steps)
@@ -165,7 +188,9 @@ def main() -> None:
         work = (offcore_work if kind == "offcore" else step_numpy_work)(args.work_ms / 1e3)
         load = offcore_work(args.load_ms / 1e3)
         plans = ("compute", "blocking") + chosen
-        steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load) for p in plans}
+        optimizer_times: dict[str, list[float]] = {p: [] for p in plans}
+        steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load,
+                              optimizer_times[p] if args.optimizer else None) for p in plans}
         if len(sizes) > 1 and "replicate" in steps:  # the sweep: one replicate per bucket size
             del steps["replicate"]
             for mb in sizes:
@@ -181,13 +206,22 @@ def main() -> None:
         dp = med["blocking"] - med["compute"]
         fsdp = med["bare fsdp"] - med["bare compute"] if sharded else float("nan")
         comm = {plan: fsdp if plan.startswith("fsdp") else dp for plan in plans}
+        # each plan's compute-only step: the compute step with this plan's own optimizer work
+        # (a sharded plan updates 1/ranks of the parameters: that saving is not hidden communication)
+        opt_ms = {p: WORLD.allreduce(statistics.median(t) * 1e3 if t else 0.0, op=MPI.MAX)
+                  for p, t in optimizer_times.items()}
+        # (fsdp's own includes starting the next gather: the update alone is fsdp-ondemand's)
+        update = {p: opt_ms.get("fsdp-ondemand", t) if p.startswith("fsdp") else t for p, t in opt_ms.items()}
+        base = {plan: med["compute"] - update["compute"] + update[plan] for plan in plans}
         if WORLD.rank == 0:
             print(f"{kind:>8} all medians: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items()))
+            if args.optimizer:
+                print(f"{kind:>8} optimizer step medians: " + ", ".join(f"{k} {v:.2f}" for k, v in opt_ms.items()))
             for plan in plans[1:]:
-                exposed = med[plan] - med["compute"]
+                exposed = med[plan] - base[plan]
                 c = comm[plan]
-                print(f"{kind:>8} {plan:>15} {med['compute']:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
-                      f"{exposed / c if c > 0 else float('nan'):8.2f} {med[plan] / max(med['compute'], c):8.2f}")
+                print(f"{kind:>8} {plan:>15} {base[plan]:8.2f} {c:8.2f} {med[plan]:8.2f} {exposed:8.2f} "
+                      f"{exposed / c if c > 0 else float('nan'):8.2f} {med[plan] / max(base[plan], c):8.2f}")
         if args.trace and kind == args.kinds.split(",")[0]:
             for plan in ("compute", *(p for p in ("replicate", "fsdp") if p in steps)):  # (not in a sweep)
                 root, ext = os.path.splitext(args.trace)

@@ -49,10 +49,11 @@ class Tower(nn.Module):
 
 
 def _shard_all(model: nn.Module, mesh: dt.DeviceMesh, reshard: bool, layers: tuple[str, ...],
-               prefetch: bool = True) -> None:
+               prefetch: bool = True, after_step: bool = True) -> None:
     for name in layers:
         dt.fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard, backward_prefetch=prefetch)
-    dt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard, backward_prefetch=prefetch)
+    dt.fully_shard(model, mesh=mesh, reshard_after_forward=reshard, backward_prefetch=prefetch,
+                   prefetch_after_step=after_step)
 
 
 def _grads(model: nn.Module, x: np.ndarray, y: np.ndarray, mesh: dt.DeviceMesh, steps: int = 1) -> dict[str, Any]:
@@ -166,11 +167,13 @@ def test_communication_is_zero3(plan: str, xp_device: str, check: Checker) -> No
         x = dt.distribute_tensor(x_full, mesh, train_mlp.PLANS[plan]["batch"])
         y = dt.distribute_tensor(y_full, mesh, train_mlp.PLANS[plan]["batch"])
         smallest = min(p.size * p.dtype.itemsize for p in model.parameters())
-        for step in range(2):  # the second step runs with forward prefetch
-            opt.zero_grad()
+        for step in range(3):  # from the second step on: the forward's prefetch, and the first
+            opt.zero_grad()    # unit's gather started by the step before (prefetch_after_step)
             with dt.CommCounter() as moved:
                 F.mse_loss(model(x), y).backward()
                 opt.step()
+            if step == 0:
+                continue
             s = moved.summary()
             expect = _expected_bytes(model)
             gathered = sum(r.bytes_recv for r in moved.records if r.kind == "all_gather")
@@ -804,10 +807,10 @@ def _after_a_change(mesh: dt.DeviceMesh, change: str, unshard: str, path: str,
     optimizer's; ``load``: ``load_state_dict`` of another model's values; ``checkpoint``:
     ``dt.load`` of them from ``path``), with ``a`` unsharded (``async`` / ``sync``) before the
     change, or not at all (``""``), and with ``again`` once more after it; and the collectives
-    that forward ran."""
+    that forward ran. Without ``prefetch_after_step``: the step would gather ``a`` itself."""
     dt.manual_seed(0)
     model = Tower(5, mesh)
-    _shard_all(model, mesh, True, ("a", "b"))
+    _shard_all(model, mesh, True, ("a", "b"), after_step=False)
     dt.manual_seed(1)
     other = Tower(5, mesh)
     _shard_all(other, mesh, True, ("a", "b"))
@@ -852,6 +855,65 @@ def test_a_unit_unsharded_before_its_shards_change_gathers_them_again(mesh1d: dt
         check.equal(out, want, f"{change} between two unshards ({how}): the forward's output", exact=True)
         check.true(len(calls) < len(want_calls) or not want_calls,  # (one rank: nothing is communicated)
                    f"{change} between two unshards ({how}): the forward gathered again: {calls}")
+    check.done()
+
+
+def _steps_and_forward_gathers(mesh: dt.DeviceMesh, after_step: bool, steps: int, stepped: str = "all",
+                               change: bool = False) -> tuple[list[np.ndarray], list[int], list[str]]:
+    """``steps`` SGD steps of a Tower sharded as ``a``, ``b`` and the root: each forward's output,
+    the all-gathers each forward made, and ``a``'s state after each step. ``stepped``: the
+    optimizer's parameters (``"all"``, or ``"b"``: not the first unit's); ``change``: a
+    ``load_state_dict`` of another model's values after each step."""
+    dt.manual_seed(0)
+    model = Tower(5, mesh)
+    _shard_all(model, mesh, True, ("a", "b"), after_step=after_step)
+    dt.manual_seed(1)
+    other = Tower(5, mesh)
+    params = model.parameters() if stepped == "all" else model.b.parameters()
+    opt = dt.optim.SGD(params, lr=0.5)
+    rng = np.random.default_rng(0)
+    x = dt.distribute_tensor(rng.standard_normal((6, 4)), mesh, [S0])
+    y = dt.distribute_tensor(rng.standard_normal((6, 3)), mesh, [S0])
+    outs, gathers, states = [], [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        with dt.CommCounter() as moved:
+            out = model(x)
+        outs.append(to_numpy(out.to_torch()))
+        gathers.append(sum(r.kind == "all_gather" for r in moved.records))
+        F.mse_loss(out, y).backward()
+        opt.step()
+        states.append(model.a._fsdp_unit.state)
+        if change:
+            model.load_state_dict(other.state_dict())
+    return outs, gathers, states
+
+
+def test_the_step_starts_the_first_units_gather_for_the_next_forward(mesh1d: dt.DeviceMesh, check: Checker) -> None:
+    """``prefetch_after_step`` (the default): an optimizer step that updates the forward's
+    first unit starts its all-gather, so the next forward gathers one unit fewer and computes
+    the same outputs, bit for bit, as without it. Not when the step leaves that unit alone,
+    nor with ``prefetch_after_step=False``; shards changed after the step are gathered again."""
+    steps = 3
+    want, plain_gathers, plain_states = _steps_and_forward_gathers(mesh1d, False, steps)
+    outs, gathers, states = _steps_and_forward_gathers(mesh1d, True, steps)
+    for i in range(steps):
+        check.equal(outs[i], want[i], f"step {i}: the forward's output", exact=True)
+    communicates = SIZE > 1
+    check.true(plain_states == ["free"] * steps, f"without prefetch_after_step, a after each step: {plain_states}")
+    check.true(states == ["pending"] * steps, f"a after each step: {states}")
+    first = 2 if communicates else 0  # a's weight and bias
+    check.true(gathers == plain_gathers[:1] + [n - first for n in plain_gathers[1:]],
+               f"the forwards' all-gathers {gathers}, without the prefetch {plain_gathers}")
+    _, gathers_b, states_b = _steps_and_forward_gathers(mesh1d, True, steps, stepped="b")
+    check.true(states_b == ["free"] * steps and gathers_b == plain_gathers,
+               f"a step of b's parameters only: a {states_b}, gathers {gathers_b}")
+    want_changed, plain_changed, _ = _steps_and_forward_gathers(mesh1d, False, steps, change=True)
+    outs_changed, gathers_changed, _ = _steps_and_forward_gathers(mesh1d, True, steps, change=True)
+    for i in range(steps):
+        check.equal(outs_changed[i], want_changed[i], f"loaded after step {i}: the forward's output", exact=True)
+    check.true(gathers_changed == plain_changed, f"loaded after each step: gathers {gathers_changed} "
+                                                 f"against {plain_changed} (the prefetched ones are stale)")
     check.done()
 
 

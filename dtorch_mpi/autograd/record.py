@@ -8,7 +8,7 @@ hot path pays one flag test and one attribute test per operand.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..dtensor import DTensor
@@ -38,6 +38,22 @@ def mark_changed(t: "DTensor") -> None:
     as PyTorch's version counter counts it: a backward through a graph that saved the old value
     refuses, and fully_shard gathers again what it gathered before."""
     t._version = version_of(t) + 1  # type: ignore[attr-defined]
+
+
+_STEP_LISTENERS: list[Callable[[Sequence[DTensor]], None]] = []
+
+
+def on_optimizer_step(listener: Callable[[Sequence[DTensor]], None]) -> None:
+    """Call ``listener(params)`` at the end of every optimizer step, with the parameters the
+    step may have changed (fully_shard starts its next forward's first all-gather there)."""
+    if listener not in _STEP_LISTENERS:
+        _STEP_LISTENERS.append(listener)
+
+
+def optimizer_stepped(params: Sequence[DTensor]) -> None:
+    """An optimizer step has changed ``params`` (each already :func:`mark_changed`)."""
+    for listener in list(_STEP_LISTENERS):
+        listener(params)
 
 
 def differentiable(t: Any) -> bool:

@@ -31,6 +31,8 @@ backward finishes             (queued callback) finish every reduce-scatter into
                               groups this backward missed whose sync is on again; free every
                               buffer
 ``module.unshard(async_op)``  start (or finish) its all-gather before the forward that needs it
+an optimizer step ends        (the first unit of the forward order, if the step updated it and
+                              ``prefetch_after_step``) start its all-gather for the next forward
 ============================  =============================================================
 
 2-D (FSDP x TP): a parameter on the tensor-parallel sub-mesh (or on the 2-D mesh with its dp
@@ -52,7 +54,7 @@ import contextlib
 import itertools
 import mmap
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +62,7 @@ import numpy as np
 
 from ..autograd.accumulate import accumulate
 from ..autograd.graph import BackwardJoin, current_backward, register_hook, register_post_accumulate_grad_hook
-from ..autograd.record import version_of
+from ..autograd.record import on_optimizer_step, version_of
 from ..comm import backend_for, pool
 from ..comm.divergence import call_context
 from ..comm.issuer import deferred
@@ -80,6 +82,8 @@ from .wrapping import agree_on_wrapping, check_module_and_dp_mesh, output_tensor
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
 _HUGE = 2 << 20  # bytes: a transparent huge page (x86-64, arm64 with 4 KiB pages)
 _SERIALS = itertools.count()
+_GROUPS: "weakref.WeakSet[_Group]" = weakref.WeakSet()  # every root's group (the prefetch after a step)
+
 _UNSYNCED: "weakref.WeakSet[_Unit]" = weakref.WeakSet()  # units holding gradients accumulated with sync off
 
 
@@ -181,7 +185,7 @@ class _Buffer:
             self.views = []
 
 
-@dataclass
+@dataclass(eq=False)  # a group is itself, not its fields' values (kept in a WeakSet)
 class _Group:
     """The units of one root (merged bottom-up): the forward order and the backward state."""
 
@@ -192,6 +196,7 @@ class _Group:
     active: int = 0  # units of the group inside their forward now
     backward: BackwardJoin = field(default_factory=BackwardJoin)  # the backward it queued its end in
     reducing: list[tuple[_Slot, Callable[[], Any], DTensorSpec]] = field(default_factory=list)  # (wait, spec) per slot
+    prefetch_after_step: bool = True  # the root's fully_shard(prefetch_after_step=...)
 
     def neighbour(self, unit: "_Unit", step: int) -> "_Unit | None":
         """The unit after (``step=1``) or before (``-1``) ``unit`` in the last forward order."""
@@ -199,6 +204,23 @@ class _Group:
             return None
         i = self.order.index(unit) + step
         return self.order[i] if 0 <= i < len(self.order) else None
+
+    def prefetch_first(self, stepped: set[int]) -> None:
+        """After an optimizer step that changed some of the parameters of the first unit with
+        parameters in the last forward order (``stepped``: their ids), start that unit's
+        all-gather beside what the program does before its next forward (loading a batch), as
+        ``unshard(async_op=True)`` would: the forward then finds it done. A change to those
+        shards before that forward makes it gather again (``drop_if_stale``). Every rank steps
+        the same parameters in the same order (SPMD), so every rank starts the same gather."""
+        first = next((unit for unit in self.order if unit.slots), None)
+        if (first is None or not self.prefetch_after_step or self.active or current_backward() is not None
+                or not any(id(s.sharded) in stepped for s in first.slots)):
+            return
+        self.settle()
+        first.drop_if_stale()  # an unshard() before the step gathered the old values
+        if self.backward.frame is None and first.state == "free":  # (a backward's end frees the units)
+            with deferred():  # checked and started beside the caller's work (comm/issuer.py)
+                first.start_gather()
 
     def join_backward(self) -> None:
         self.backward.join(self.discard_backward, self.finish_backward)
@@ -608,6 +630,18 @@ def _start_reduce(layout: _Layout, g: DTensor, target: tuple[Placement, ...]) ->
     return pending.to_local, pending.spec
 
 
+def _prefetch_after_step(params: Sequence[DTensor]) -> None:
+    """An optimizer step changed ``params``: each root whose first unit holds some of them
+    starts that unit's all-gather (``_Group.prefetch_first``), roots in creation order."""
+    stepped = {id(p) for p in params}
+    for group in sorted((g for g in _GROUPS if g.units and g.units[0].group is g),
+                        key=lambda g: min(u.serial for u in g.units)):
+        group.prefetch_first(stepped)
+
+
+on_optimizer_step(_prefetch_after_step)
+
+
 def _unit_of(module: Module) -> _Unit | None:
     return module.__dict__.get("_fsdp_unit")
 
@@ -691,7 +725,7 @@ def _on_grad_complete(unit: _Unit, slot: _Slot) -> Callable[[DTensor], None]:
 
 
 def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
-                backward_prefetch: bool = True) -> Module:
+                backward_prefetch: bool = True, prefetch_after_step: bool = True) -> Module:
     """Shard ``module``'s unclaimed (replicated) parameters ``Shard(0)`` over ``mesh`` as one unit (ZeRO-3);
     returns the module. Apply bottom-up (blocks, then the root); see docs/training.md.
 
@@ -701,6 +735,13 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     parameters and whole gradients exist at a time (with gradient sync on); the price is the
     overlap in backward.
 
+    ``prefetch_after_step`` (the root's call decides for all its units): at the end of each
+    optimizer step that updates the first unit of the forward (the first with parameters),
+    start that unit's all-gather, so it runs beside what comes before the next forward (a
+    batch's load) rather than before the forward's first compute; the unit's gathered
+    parameters then exist from the step on (memory: one unit, less than the step's peak).
+    ``False``: the forward gathers it, as FSDP2 does unless ``unshard(async_op=True)`` is called.
+
     Adds FSDP2's methods to ``module``: ``unshard(async_op=False)`` (gather now, or start the
     all-gather and return a handle to ``wait()`` on), ``reshard()`` (free the gathered
     parameters) and ``set_requires_gradient_sync(flag, *, recurse=True)`` (gradient
@@ -709,7 +750,8 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     again = None if _unit_of(module) is None else ValueError(
         f"fully_shard was already applied to this {type(module).__name__}")
     number = agree_on_wrapping("fully_shard", module, mesh, {"reshard_after_forward": reshard_after_forward,
-                                                             "backward_prefetch": backward_prefetch}, again)
+                                                             "backward_prefetch": backward_prefetch,
+                                                             "prefetch_after_step": prefetch_after_step}, again)
     slots, inner = _claim(module, mesh)
     xp = array_namespace(mesh.device_type)
     for s in slots:
@@ -735,6 +777,8 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
             register_post_accumulate_grad_hook(s.gathered, _on_grad_complete(unit, s))
     group = unit.group
     group.number = number
+    group.prefetch_after_step = prefetch_after_step
+    _GROUPS.add(group)
     for child in inner:  # the new unit becomes the root of every inner unit's group
         group.units.extend(u for u in child.group.units if u not in group.units)
     paths = {id(m): name for name, m in module.named_modules()}

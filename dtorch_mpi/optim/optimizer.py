@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from .._mpi import library_world
 from ..arrays import array_namespace
-from ..autograd.record import mark_changed
+from ..autograd.record import mark_changed, optimizer_stepped
 from ..dtensor import DTensor
 from ..errors import PlacementError, StateDictError
 from ..spmd import agreed
@@ -116,6 +116,7 @@ class Optimizer:
                 state = self.state[p] = self._init_state(group, p, xp)
             self._update(group, p.to_local(), p.grad.to_local(), state, xp)  # type: ignore[union-attr]
             mark_changed(p)  # a backward through an older graph refuses; fully_shard gathers again
+        optimizer_stepped([p for _, p in work])  # fully_shard prefetches its next forward's first gather
 
     def _init_state(self, group: dict[str, Any], p: DTensor, xp: Any) -> dict[str, Any]:
         state: dict[str, Any] = {"step": 0}
