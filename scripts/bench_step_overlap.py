@@ -33,7 +33,11 @@ with an SGD step and adds the row ``fsdp-ondemand``: fsdp with ``prefetch_after_
 beside the next step's load). A sharded plan's optimizer updates 1/ranks of the parameters, so
 each plan's compute-only step is the compute step with that plan's own optimizer time (both
 medians, printed; for the fsdp plans fsdp-ondemand's, whose step starts no gather): the
-saving is not hidden communication. ``--plans replicate`` times only
+saving is not hidden communication. The harness's barrier before each step and its time
+reduction after it wait as the library does (``timed_interleaved(polled=True)``): MPICH's
+blocking calls spin, and at 3-4 ranks on 2 cores they starved the prefetch after the step
+(started at one step's end, in flight across the barrier) of the core it needed, adding 60-130
+ms to some steps that a training loop, loading its next batch there, would not see. ``--plans replicate`` times only
 replicate beside compute and blocking; ``--bucket-mb 1,2,4`` times one replicate per bucket size,
 interleaved in the same run (a bucket sweep).
 """
@@ -202,7 +206,7 @@ def main() -> None:
             cases.update({"bare compute": bare["compute"], "bare fsdp": issued_inline(bare["fsdp"])})
         for fn in cases.values():
             fn()  # a first warm-up (replicate fixes its bucket order on it); timed_interleaved runs the second
-        med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD).items()}
+        med = {name: t * 1e3 for name, t in timed_interleaved(cases, args.reps, WORLD, polled=True).items()}
         dp = med["blocking"] - med["compute"]
         fsdp = med["bare fsdp"] - med["bare compute"] if sharded else float("nan")
         comm = {plan: fsdp if plan.startswith("fsdp") else dp for plan in plans}

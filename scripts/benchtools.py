@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from dtorch_mpi.comm.deadline import wait_request
+
 
 def process_environment() -> str:
     """What shapes the process's allocator (``GLIBC_TUNABLES``, ``LD_PRELOAD``, the library's
@@ -82,13 +84,19 @@ def evict_caches() -> None:
 
 
 def timed_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
-                      comm: MPI.Intracomm = MPI.COMM_WORLD, *, caches: str = "shared") -> dict[str, float]:
+                      comm: MPI.Intracomm = MPI.COMM_WORLD, *, caches: str = "shared",
+                      polled: bool = False) -> dict[str, float]:
     """Median (slowest rank) of each of ``fns``, run in rotation within every repeat, so a
     load change on a busy machine hits all of them alike (one warm-up call each first).
     ``caches``: "shared" runs each call straight after the previous case's; "primed" runs an
     untimed call of the same case first (each case's own buffers and code warm, as in a loop
     repeating one call; otherwise a case whose buffers others share, such as a raw baseline's one
-    send buffer, runs warm while the rest run cold); "cold" flushes the caches first."""
+    send buffer, runs warm while the rest run cold); "cold" flushes the caches first.
+    ``polled``: the barrier before each call and the time's reduction after it wait as the
+    library's waits do (comm/deadline.py: a short spin, then yields and naps), not in MPI's
+    blocking calls, which spin on the core: a case that leaves a collective in flight past its
+    end (fully_shard's prefetch after the optimizer step) then gets the cores to progress it,
+    as it would beside the next batch's load, where ranks outnumber cores."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
@@ -98,11 +106,26 @@ def timed_interleaved(fns: dict[str, Callable[[], Any]], reps: int,
                 fn()
             elif caches == "cold":
                 evict_caches()
-            comm.Barrier()
+            _barrier(comm, polled)
             start = time.perf_counter()
             fn()
-            times[name].append(comm.allreduce(time.perf_counter() - start, op=MPI.MAX))
+            times[name].append(_slowest(comm, time.perf_counter() - start, polled))
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _barrier(comm: MPI.Intracomm, polled: bool) -> None:
+    if polled:
+        wait_request(comm.Ibarrier(), "the benchmark's barrier")
+    else:
+        comm.Barrier()
+
+
+def _slowest(comm: MPI.Intracomm, seconds: float, polled: bool) -> float:
+    if not polled:
+        return float(comm.allreduce(seconds, op=MPI.MAX))
+    mine, out = np.array([seconds]), np.empty(1)
+    wait_request(comm.Iallreduce(mine, out, op=MPI.MAX), "the benchmark's time reduction")
+    return float(out[0])
 
 
 def numpy_work(seconds: float, probe_len: int = 1 << 18, reps: int = 11,
