@@ -192,14 +192,19 @@ def main() -> None:
         work = (offcore_work if kind == "offcore" else step_numpy_work)(args.work_ms / 1e3)
         load = offcore_work(args.load_ms / 1e3)
         plans = ("compute", "blocking") + chosen
-        optimizer_times: dict[str, list[float]] = {p: [] for p in plans}
-        steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load,
-                              optimizer_times[p] if args.optimizer else None) for p in plans}
+        optimizer_times: dict[str, list[float]] = {}
+
+        def timings(name: str) -> list[float] | None:
+            return optimizer_times.setdefault(name, []) if args.optimizer else None
+
+        steps = {p: make_step(p, mesh, args.layers, width, work, bucket, load, timings(p)) for p in plans}
         if len(sizes) > 1 and "replicate" in steps:  # the sweep: one replicate per bucket size
             del steps["replicate"]
+            optimizer_times.pop("replicate", None)
             for mb in sizes:
-                steps[f"replicate {mb:g}MB"] = make_step("replicate", mesh, args.layers, width, work,
-                                                         int(mb * (1 << 20)), load)
+                name = f"replicate {mb:g}MB"
+                steps[name] = make_step("replicate", mesh, args.layers, width, work, int(mb * (1 << 20)), load,
+                                        timings(name))
             plans = tuple(steps)
         cases: dict[str, Callable[[], object]] = dict(steps)
         if sharded:
@@ -212,8 +217,8 @@ def main() -> None:
         comm = {plan: fsdp if plan.startswith("fsdp") else dp for plan in plans}
         # each plan's compute-only step: the compute step with this plan's own optimizer work
         # (a sharded plan updates 1/ranks of the parameters: that saving is not hidden communication)
-        opt_ms = {p: WORLD.allreduce(statistics.median(t) * 1e3 if t else 0.0, op=MPI.MAX)
-                  for p, t in optimizer_times.items()}
+        opt_ms = {p: WORLD.allreduce(statistics.median(optimizer_times[p]) * 1e3 if optimizer_times.get(p) else 0.0,
+                                     op=MPI.MAX) for p in plans}
         # (fsdp's own includes starting the next gather: the update alone is fsdp-ondemand's)
         update = {p: opt_ms.get("fsdp-ondemand", t) if p.startswith("fsdp") else t for p, t in opt_ms.items()}
         base = {plan: med["compute"] - update["compute"] + update[plan] for plan in plans}
