@@ -214,11 +214,11 @@ class _Group:
         the same parameters in the same order (SPMD), so every rank starts the same gather."""
         first = next((unit for unit in self.order if unit.slots), None)
         if (first is None or not self.prefetch_after_step or self.active or current_backward() is not None
+                or self.backward.frame is not None  # a backward that raised: the forward settles it
                 or not any(id(s.sharded) in stepped for s in first.slots)):
             return
-        self.settle()
         first.drop_if_stale()  # an unshard() before the step gathered the old values
-        if self.backward.frame is None and first.state == "free":  # (a backward's end frees the units)
+        if first.state == "free":
             with deferred():  # checked and started beside the caller's work (comm/issuer.py)
                 first.start_gather()
 
