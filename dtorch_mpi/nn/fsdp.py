@@ -82,7 +82,8 @@ from .wrapping import agree_on_wrapping, check_module_and_dp_mesh, output_tensor
 _ALIGN = 64  # bytes: each gathered parameter starts on a cache line of the unit's buffer
 _HUGE = 2 << 20  # bytes: a transparent huge page (x86-64, arm64 with 4 KiB pages)
 _SERIALS = itertools.count()
-_GROUPS: "weakref.WeakSet[_Group]" = weakref.WeakSet()  # every root's group (the prefetch after a step)
+_GROUPS: "weakref.WeakSet[_Group]" = weakref.WeakSet()  # every root's group (the prefetch after a step);
+# an inner group leaves it when a root claims its units
 
 _UNSYNCED: "weakref.WeakSet[_Unit]" = weakref.WeakSet()  # units holding gradients accumulated with sync off
 
@@ -634,8 +635,7 @@ def _prefetch_after_step(params: Sequence[DTensor]) -> None:
     """An optimizer step changed ``params``: each root whose first unit holds some of them
     starts that unit's all-gather (``_Group.prefetch_first``), roots in creation order."""
     stepped = {id(p) for p in params}
-    for group in sorted((g for g in _GROUPS if g.units and g.units[0].group is g),
-                        key=lambda g: min(u.serial for u in g.units)):
+    for group in sorted(_GROUPS, key=lambda g: min(u.serial for u in g.units)):
         group.prefetch_first(stepped)
 
 
@@ -780,6 +780,7 @@ def fully_shard(module: Module, *, mesh: DeviceMesh, reshard_after_forward: bool
     group.prefetch_after_step = prefetch_after_step
     _GROUPS.add(group)
     for child in inner:  # the new unit becomes the root of every inner unit's group
+        _GROUPS.discard(child.group)
         group.units.extend(u for u in child.group.units if u not in group.units)
     paths = {id(m): name for name, m in module.named_modules()}
     for u in group.units:
