@@ -163,6 +163,15 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "leave the computing thread; or the calling thread (`inline`). An error such a call's "
             "check finds is raised at the library's wait for it.",
             _choice("DTORCH_ASYNC_ISSUE", ISSUE_MODES, ": use one of"), "first use", "comm/issuer.py"),
+    Setting("DTORCH_SAVE_NICE", "integer 0-19", "10",
+            "The nice value of an asynchronous save's writer thread (on Linux a thread has its "
+            "own): the threads of the training loop take a busy core first and the write the "
+            "cycles they leave. `10` (a tenth of a core's share against a thread at 0): at 3-4 ranks "
+            "on 2 cores the work beside the write slowed 2-8 % instead of 6-18 %; `19` made it worse "
+            "again (the writer, holding the GIL, waited for a core); `0` shares the cores equally.",
+            _number("DTORCH_SAVE_NICE", int, "is not an integer",
+                    lambda n: not 0 <= n <= 19, "must be an integer from 0 to 19"),
+            "per call", "checkpoint/writer.py"),
     Setting("DTORCH_GPU_BACKEND", "`auto` or a registered cuda backend (`nccl` \\| `cuda-aware-mpi` "
             "\\| `host-staging`)", "auto",
             "The backend of `cuda` meshes; `auto` takes NCCL where every rank has a GPU of its "

@@ -26,6 +26,7 @@ from benchtools import process_environment
 from mpi4py import MPI
 
 import dtorch_mpi as dt
+from dtorch_mpi import settings
 
 WORLD = MPI.COMM_WORLD
 
@@ -95,7 +96,8 @@ def main() -> None:
     slowest = {k: max(WORLD.allgather(statistics.median(v))) for k, v in times.items()}
     if WORLD.Get_rank() == 0:
         print(f"{size} ranks, {args.mb} MiB per rank, h5py mpi={dt.has_parallel_hdf5()}, medians of {args.reps} "
-              f"(slowest rank); {process_environment()}; OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}:")
+              f"(slowest rank); {process_environment()}; OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}; "
+              f"DTORCH_SAVE_NICE={settings.get('DTORCH_SAVE_NICE')}:")
         for k, v in slowest.items():
             print(f"  {k:26s} {v * 1e3:9.1f} ms")
         goal = 1.2 * slowest["memcpy"] + 0.05

@@ -7,6 +7,8 @@ HDF5 stacks (serial h5py: in turn; parallel h5py: collective MPI-IO from the wri
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import tracemalloc
 from typing import Any
 
@@ -167,3 +169,48 @@ def test_memory_is_flat_over_async_saves(mesh1d: dt.DeviceMesh, shared_dir: str)
     state_bytes = sum(v.to_local().nbytes for v in sd.values() if isinstance(v, dt.DTensor))
     grown = sizes[-1] - sizes[4]  # a copy kept per save would grow >= 7 x state_bytes here
     assert grown < 2 * state_bytes, f"memory grew by {grown} bytes over 7 saves (state {state_bytes}): {sizes}"
+
+
+def test_the_writer_thread_runs_at_the_save_nice_value(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The write runs at ``DTORCH_SAVE_NICE`` on its own thread (Linux: a per-thread nice value),
+    never above the priority the process had; the calling thread keeps its own."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("a per-thread nice value is Linux's")
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        pytest.skip("without MPI_THREAD_MULTIPLE the write runs on the calling thread")
+    _, sd = training_state(mesh1d, (SIZE + 1, 3))
+    path = os.path.join(shared_dir, "ck.h5")
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    real = ck._write_slab
+    seen: list[tuple[int, int]] = []
+
+    def recording(*args: Any, **kwargs: Any) -> None:
+        tid = threading.get_native_id()
+        seen.append((tid, os.getpriority(os.PRIO_PROCESS, tid)))
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(ck, "_write_slab", recording)
+    for nice in (13, 0):
+        monkeypatch.setenv("DTORCH_SAVE_NICE", str(nice))
+        seen.clear()
+        h = dt.save(sd, path, async_op=True)
+        assert h is not None
+        h.wait()
+        assert seen or a_writing_rank() != RANK, "the writing rank wrote nothing"
+        assert all(tid != threading.get_native_id() for tid, _ in seen), "the write ran on the calling thread"
+        assert {value for _, value in seen} <= {max(nice, base)}, (nice, base, seen)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base, "the caller's priority changed"
+
+
+def test_a_bad_save_nice_value_raises_on_every_rank(mesh1d: dt.DeviceMesh, shared_dir: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value out of range on one rank (settings are read per process) raises on every rank,
+    naming it, before anything is written."""
+    _, sd = training_state(mesh1d, (SIZE + 1, 3))
+    if RANK == SIZE - 1:
+        monkeypatch.setenv("DTORCH_SAVE_NICE", "20")
+    with pytest.raises(ValueError, match="DTORCH_SAVE_NICE='20' must be an integer from 0 to 19"):
+        dt.save(sd, os.path.join(shared_dir, "ck.h5"), async_op=True)
+    dt.save(sd, os.path.join(shared_dir, "ck.h5"))  # a blocking save does not read it
+    assert os.path.exists(os.path.join(shared_dir, "ck.h5"))

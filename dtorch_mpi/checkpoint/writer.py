@@ -6,8 +6,8 @@ each rank's pieces. The *write* part touches only h5py, the checksums and one co
 create the temporary file, write the hyperslabs (collective MPI-IO, or node by node), exchange the
 checksums, fsync, rename. ``save(..., async_op=True)`` copies this rank's pieces, duplicates the
 world communicator (collectively, on the calling thread) and runs the write part in a background
-thread on that duplicate, so no library collective of the main thread can match one of the
-writer's; see pending.py.
+thread on that duplicate (at ``DTORCH_SAVE_NICE``: the training threads have a busy core
+first), so no library collective of the main thread can match one of the writer's.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import settings
 from .._mpi import library_world, node_id
 from ..arrays import to_host
 from ..comm.deadline import wait_request
@@ -253,6 +254,7 @@ class _Job:
     parallel: bool
     write_bytes: int | None = None  # an async save's bytes per write call (None: one call per piece)
     node_of: Any = None  # without MPI in h5py: every rank's node writer (_mpi.node_id of each rank)
+    nice: int = 0  # an async save's writer thread's nice value (DTORCH_SAVE_NICE)
 
     def run(self, comm: MPI.Intracomm) -> None:
         """Create, write, fsync and rename ``tmp`` (collective over ``comm``, agreed throughout).
@@ -292,7 +294,9 @@ def _prepare(world: MPI.Intracomm, obj: Any, path: str | os.PathLike, *, copy: b
     directory = os.path.dirname(path)
     problem: Exception | None = None
     structure = ""
+    nice = 0
     try:
+        nice = settings.get("DTORCH_SAVE_NICE") if copy else 0  # a bad value raises on every rank
         h5py = _h5py()  # h5py and xxhash on every rank (some may have nothing to hash)
         require_hasher()
         if not isinstance(obj, Mapping):
@@ -333,7 +337,8 @@ def _prepare(world: MPI.Intracomm, obj: Any, path: str | os.PathLike, *, copy: b
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"saving {path} failed: {exc}") from exc
-    return _Job(h5py, path, tmp, layout.groups, slabs, parallel, ASYNC_WRITE_BYTES if copy else None, node_of)
+    return _Job(h5py, path, tmp, layout.groups, slabs, parallel, ASYNC_WRITE_BYTES if copy else None, node_of,
+                nice)
 
 
 class SaveHandle:
@@ -353,10 +358,12 @@ class SaveHandle:
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self._thread.start()
         else:
-            self._write()
+            self._write(on_own_thread=False)
 
-    def _write(self) -> None:
+    def _write(self, on_own_thread: bool = True) -> None:
         try:
+            if on_own_thread:
+                _lower_this_threads_priority(self._job.nice)
             self._job.run(self._comm)
         except BaseException as exc:  # raised by wait(), on the caller's thread
             self._error = exc
@@ -375,6 +382,19 @@ class SaveHandle:
         self._waited = True
         if self._error is not None:
             raise self._error
+
+
+def _lower_this_threads_priority(nice: int) -> None:
+    """Give the calling thread (only it: Linux keeps a nice value per thread) ``nice``, so the
+    threads of the training loop take a busy core before it; never a higher priority than it has
+    (a process started under ``nice`` keeps its own); where the system has no per-thread nice
+    (not Linux) or refuses, the thread keeps its priority."""
+    if nice > 0 and sys.platform.startswith("linux"):
+        try:
+            thread = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, thread, max(nice, os.getpriority(os.PRIO_PROCESS, thread)))
+        except OSError:
+            pass
 
 
 _pending: SaveHandle | None = None
