@@ -166,9 +166,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DTORCH_SAVE_NICE", "integer 0-19", "10",
             "The nice value of an asynchronous save's writer thread (on Linux a thread has its "
             "own): the threads of the training loop take a busy core first and the write the "
-            "cycles they leave. `10` (a tenth of a core's share against a thread at 0): at 3-4 ranks "
-            "on 2 cores the work beside the write slowed 2-8 % instead of 6-18 %; `19` made it worse "
-            "again (the writer, holding the GIL, waited for a core); `0` shares the cores equally.",
+            "cycles they leave. `10` (about a tenth of a core against a thread at 0): on 2 cores, "
+            "NumPy work beside the write slowed 3-4 % instead of 42-45 % at 3 ranks, off-core work "
+            "6-15 % instead of 15-18 % at 4 (docs/training.md); `19` did worse (the writer, holding "
+            "the GIL, waited for a core); `0` shares the cores equally.",
             _number("DTORCH_SAVE_NICE", int, "is not an integer",
                     lambda n: not 0 <= n <= 19, "must be an integer from 0 to 19"),
             "per call", "checkpoint/writer.py"),
