@@ -210,7 +210,9 @@ def test_a_bad_save_nice_value_raises_on_every_rank(mesh1d: dt.DeviceMesh, share
     _, sd = training_state(mesh1d, (SIZE + 1, 3))
     if RANK == SIZE - 1:
         monkeypatch.setenv("DTORCH_SAVE_NICE", "20")
+    path = os.path.join(shared_dir, "ck.h5")
     with pytest.raises(ValueError, match="DTORCH_SAVE_NICE='20' must be an integer from 0 to 19"):
-        dt.save(sd, os.path.join(shared_dir, "ck.h5"), async_op=True)
-    dt.save(sd, os.path.join(shared_dir, "ck.h5"))  # a blocking save does not read it
-    assert os.path.exists(os.path.join(shared_dir, "ck.h5"))
+        dt.save(sd, path, async_op=True)
+    assert os.listdir(shared_dir) == [], os.listdir(shared_dir)
+    dt.save(sd, path)  # a blocking save does not read it
+    assert os.path.exists(path)
