@@ -354,16 +354,19 @@ class SaveHandle:
         self._job, self._comm = job, comm
         self._error: BaseException | None = None
         self._waited = False
-        self._thread = threading.Thread(target=self._write, name=f"dtorch_mpi save {job.path}")
+        self._thread = threading.Thread(target=self._write_beside, name=f"dtorch_mpi save {job.path}")
         if MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
             self._thread.start()
         else:
-            self._write(on_own_thread=False)
+            self._write()
 
-    def _write(self, on_own_thread: bool = True) -> None:
+    def _write_beside(self) -> None:
+        """The background thread's body: the write, at the save's lower priority."""
+        _lower_this_threads_priority(self._job.nice)
+        self._write()
+
+    def _write(self) -> None:
         try:
-            if on_own_thread:
-                _lower_this_threads_priority(self._job.nice)
             self._job.run(self._comm)
         except BaseException as exc:  # raised by wait(), on the caller's thread
             self._error = exc
